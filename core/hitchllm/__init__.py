@@ -1,0 +1,1 @@
+"""hitchllm: an LLM inference and serving engine, a small core plus plugins."""

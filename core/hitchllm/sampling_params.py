@@ -1,0 +1,108 @@
+"""Per-request sampling parameters, named and defaulted like vLLM's ``SamplingParams``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's output tokens.
+
+    Validation happens at construction and raises ``ValueError`` saying what to change.
+    ``verify_vocab`` checks the token ids against a model's vocabulary when the request is
+    added to an engine.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+    # Filled by __post_init__ from ``stop``: always a list.
+    stop_strings: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop_strings = []
+        elif isinstance(self.stop, str):
+            self.stop_strings = [self.stop]
+        else:
+            self.stop_strings = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        else:
+            self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        if self.top_k is None or self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(msg: str) -> None:
+            raise ValueError(msg)
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad(f"n must be an integer >= 1, got {self.n!r}.")
+        if self.temperature < 0.0:
+            bad(f"temperature must be >= 0 (0 means greedy), got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            bad(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_k < 0:
+            bad(f"top_k must be 0 or -1 (disabled) or a positive integer, got {self.top_k}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad(f"min_p must be in [0, 1], got {self.min_p}.")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+        if self.repetition_penalty <= 0.0:
+            bad(f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}.")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if self.min_tokens < 0:
+            bad(f"min_tokens must be >= 0, got {self.min_tokens}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})."
+            )
+        if self.logprobs is not None and self.logprobs < 0:
+            bad(f"logprobs must be >= 0 (the number of top tokens to return), got {self.logprobs}.")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            bad(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}.")
+        if any(not s for s in self.stop_strings):
+            bad("stop strings must be non-empty.")
+        if any(t < 0 for t in self.stop_token_ids):
+            bad(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids}.")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad(f"seed must be an integer, got {self.seed!r}.")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request takes the argmax token at every step."""
+        return self.temperature < _GREEDY_EPS
+
+    def verify_vocab(self, vocab_size: int) -> None:
+        """Raise ``ValueError`` if a token id in these params lies outside the vocabulary."""
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise ValueError(
+                f"stop_token_ids {bad} are outside the model's vocabulary "
+                f"(valid ids are 0..{vocab_size - 1})."
+            )
