@@ -1,1 +1,46 @@
-"""hitchllm: an LLM inference and serving engine, a small core plus plugins."""
+"""hitchllm: an LLM inference and serving engine, a small core plus installable plugins.
+
+``from hitchllm import LLM, SamplingParams, hookimpl``
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from hitchllm.outputs import CompletionOutput, Logprob, RequestOutput
+from hitchllm.plugins import hookimpl
+from hitchllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from hitchllm.config import EngineConfig
+    from hitchllm.engine.llm_engine import LLMEngine
+    from hitchllm.entrypoints.llm import LLM
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "LLMEngine",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+    "__version__",
+    "hookimpl",
+]
+
+_LAZY = {
+    "LLM": "hitchllm.entrypoints.llm",
+    "LLMEngine": "hitchllm.engine.llm_engine",
+    "EngineConfig": "hitchllm.config",
+}
+
+
+def __getattr__(name: str) -> Any:
+    # The engine pulls in transformers; plugins importing ``hookimpl`` should not pay for it.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'hitchllm' has no attribute {name!r}")

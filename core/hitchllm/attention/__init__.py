@@ -1,0 +1,32 @@
+"""Attention: one API (``Attention`` layer), many kernels (backends chosen by the selector)."""
+
+from hitchllm.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionSpec,
+    CommonAttentionMetadata,
+)
+from hitchllm.attention.forward_context import get_forward_context, set_forward_context
+from hitchllm.attention.layer import Attention
+from hitchllm.attention.selector import (
+    AttentionBackendError,
+    rank_backends,
+    select_attention_backend,
+)
+from hitchllm.attention.torch_backend import TorchAttentionBackend
+
+__all__ = [
+    "Attention",
+    "AttentionBackend",
+    "AttentionBackendError",
+    "AttentionImpl",
+    "AttentionMetadataBuilder",
+    "AttentionSpec",
+    "CommonAttentionMetadata",
+    "TorchAttentionBackend",
+    "get_forward_context",
+    "rank_backends",
+    "select_attention_backend",
+    "set_forward_context",
+]

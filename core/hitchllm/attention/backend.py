@@ -1,0 +1,144 @@
+"""The attention API every backend implements.
+
+Four roles:
+
+- ``Attention`` (hitchllm.attention.layer): what a model calls, backend-agnostic.
+- ``AttentionBackend``: a stateless class describing one kernel family: its name, priority,
+  what it can serve (``validate``), its KV-cache shape, and its impl and builder classes.
+- ``AttentionImpl``: runs the kernel for one layer: writes the new K/V through the slot
+  mapping, then attends.
+- ``AttentionMetadataBuilder``: once per engine step, turns the batch description
+  (``CommonAttentionMetadata``) into what its kernel needs.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Everything a backend needs to know to decide whether it can serve a model on a device."""
+
+    device_type: str
+    dtype: torch.dtype
+    kv_cache_dtype: torch.dtype
+    head_size: int
+    num_heads: int
+    num_kv_heads: int
+    block_size: int
+    device_capability: tuple[int, int] | None = None
+    use_mla: bool = False
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+
+    @classmethod
+    def for_device(cls, device: torch.device, **fields: Any) -> AttentionSpec:
+        """Build a spec filling ``device_type`` and ``device_capability`` from ``device``."""
+        capability = None
+        if device.type == "cuda" and torch.cuda.is_available():
+            capability = torch.cuda.get_device_capability(device)
+        return cls(device_type=device.type, device_capability=capability, **fields)
+
+
+@dataclass
+class CommonAttentionMetadata:
+    """The batch of one engine step, as flat tensors, handed to a backend's builder.
+
+    Requests are rows ``0..num_reqs-1``; their new tokens are packed back to back, request
+    ``i`` owning tokens ``query_start_loc[i]:query_start_loc[i+1]``. ``seq_lens[i]`` is the
+    request's context length after this step (cached tokens plus new ones). Device tensors
+    have a ``_cpu`` twin where builders commonly need host values.
+    """
+
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, device
+    query_start_loc_cpu: torch.Tensor  # [num_reqs + 1] int32, host
+    seq_lens: torch.Tensor  # [num_reqs] int32, device
+    seq_lens_cpu: torch.Tensor  # [num_reqs] int32, host
+    num_computed_tokens_cpu: torch.Tensor  # [num_reqs] int32, host: tokens already cached
+    block_table: torch.Tensor  # [num_reqs, max_blocks_per_req] int32, device
+    slot_mapping: torch.Tensor  # [num_tokens] int64, device; -1 = padding, not written
+    num_reqs: int
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+
+
+class AttentionImpl(ABC):
+    """Runs one layer's attention with one kernel family."""
+
+    def __init__(
+        self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, spec: AttentionSpec
+    ) -> None:
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+        self.spec = spec
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: Any,
+    ) -> torch.Tensor:
+        """Write ``key``/``value`` ([num_tokens, num_kv_heads, head_size]) into ``kv_cache``
+        through the slot mapping (skipping slots of -1), then attend ``query``
+        ([num_tokens, num_heads, head_size]) over each request's cached context with causal
+        masking. Returns [num_tokens, num_heads, head_size]."""
+
+
+class AttentionMetadataBuilder(ABC):
+    """Builds a backend's per-step metadata; one instance per engine, reused every step."""
+
+    def __init__(self, spec: AttentionSpec, device: torch.device) -> None:
+        self.spec = spec
+        self.device = device
+
+    @abstractmethod
+    def build(self, common: CommonAttentionMetadata) -> Any:
+        """Turn the step's batch into the metadata the backend's impl consumes."""
+
+
+class AttentionBackend(ABC):
+    """A kernel family: stateless, described by class attributes and class methods.
+
+    ``name`` is upper case (``"TORCH"``, ``"TRITON_ATTN"``, ...). Among backends whose
+    ``validate`` returns no reasons, the highest ``priority`` wins; ties break by name.
+    """
+
+    name: ClassVar[str]
+    priority: ClassVar[int] = 0
+
+    @classmethod
+    @abstractmethod
+    def validate(cls, spec: AttentionSpec) -> list[str]:
+        """Reasons this backend cannot serve ``spec`` (empty list: it can).
+
+        Each reason should say what to change, e.g. "head size 96 is not supported (use one
+        of 64, 128, 256)" or "flashinfer is not installed (pip install ...)".
+        """
+
+    @classmethod
+    @abstractmethod
+    def get_kv_cache_shape(
+        cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        """Shape of one layer's KV-cache tensor holding ``num_blocks`` blocks."""
+
+    @classmethod
+    @abstractmethod
+    def get_impl_cls(cls) -> type[AttentionImpl]:
+        """The class that runs this backend's kernel for one layer."""
+
+    @classmethod
+    @abstractmethod
+    def get_builder_cls(cls) -> type[AttentionMetadataBuilder]:
+        """The class that builds this backend's per-step metadata."""

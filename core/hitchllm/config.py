@@ -1,0 +1,216 @@
+"""Typed configuration: the user-facing ``EngineConfig`` (pydantic, validated once at the
+edge) and ``ModelConfig``, what the engine reads from a checkpoint's ``config.json``."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+_SIZE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3,
+               "mb": 10**6, "gb": 10**9}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """``"bfloat16"`` (or a torch dtype) to a torch dtype, with an error listing valid names."""
+    if isinstance(name, torch.dtype):
+        return name
+    key = name.lower().removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; use one of float32, float16, bfloat16, auto")
+    return _DTYPES[key]
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a string such as ``"4GiB"`` or ``"512 MiB"``."""
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", value)
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"cannot read size {value!r}; write e.g. 2GiB, 512MiB or a byte count")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+class EngineConfig(BaseModel):
+    """Everything that configures one engine. Field names follow vLLM's engine arguments."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    attention_backend: str | None = None
+    block_size: int = Field(16, ge=1, le=1024)
+    num_kv_blocks: int | None = Field(None, ge=1)
+    kv_cache_memory: int | str | None = None
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    max_model_len: int | None = Field(None, ge=1)
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int | None = Field(None, ge=1)
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    @field_validator("dtype")
+    @classmethod
+    def _check_dtype(cls, v: str) -> str:
+        if v != "auto":
+            parse_dtype(v)
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, v: str) -> str:
+        if v != "auto":
+            try:
+                torch.device(v)
+            except RuntimeError as exc:
+                raise ValueError(f"unknown device {v!r}; use auto, cpu or cuda[:N]") from exc
+        return v
+
+    @field_validator("kv_cache_memory")
+    @classmethod
+    def _check_kv_memory(cls, v: int | str | None) -> int | str | None:
+        if v is not None and parse_size(v) <= 0:
+            raise ValueError("kv_cache_memory must be positive")
+        return v
+
+    @model_validator(mode="after")
+    def _check_model_path(self) -> EngineConfig:
+        path = Path(self.model)
+        if not (path / "config.json").is_file():
+            raise ValueError(
+                f"model {self.model!r} is not a directory with a config.json; pass the path of "
+                "a Hugging Face checkpoint directory (this engine does not download models)"
+            )
+        return self
+
+    def resolve_device(self) -> torch.device:
+        """The device to run on: ``auto`` is CUDA when available, else CPU."""
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was requested but no CUDA device is available")
+        return device
+
+    def resolve_dtype(self, checkpoint_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+        """``auto``: float32 on CPU; on CUDA the checkpoint's 16-bit dtype, else bfloat16."""
+        if self.dtype != "auto":
+            return parse_dtype(self.dtype)
+        if device.type == "cpu":
+            return torch.float32
+        if checkpoint_dtype in (torch.float16, torch.bfloat16):
+            return checkpoint_dtype
+        return torch.bfloat16
+
+
+@dataclass
+class ModelConfig:
+    """The parts of a Hugging Face ``config.json`` the engine and models use.
+
+    Reads both styles: ``rope_theta``/``rope_scaling``/``torch_dtype`` (older checkpoints) and
+    ``rope_parameters``/``dtype`` (transformers 5).
+    """
+
+    path: Path
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    tie_word_embeddings: bool
+    hidden_act: str
+    checkpoint_dtype: torch.dtype
+    eos_token_ids: list[int]
+    sliding_window: int | None = None
+    hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        """Read ``path/config.json``."""
+        path = Path(path)
+        raw = json.loads((path / "config.json").read_text())
+        archs = raw.get("architectures") or []
+        if not archs:
+            raise ValueError(f"{path}/config.json has no 'architectures' entry")
+        heads = raw["num_attention_heads"]
+        theta, scaling = _read_rope(raw)
+        eos = raw.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        gen_cfg = path / "generation_config.json"
+        if gen_cfg.is_file():
+            gen_eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+            if gen_eos is not None:
+                eos_ids = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos)
+        dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+        return cls(
+            path=path,
+            architecture=archs[0],
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            hidden_act=raw.get("hidden_act", "silu"),
+            checkpoint_dtype=parse_dtype(dtype_name),
+            eos_token_ids=eos_ids,
+            sliding_window=_read_sliding_window(raw),
+            hf_config=raw,
+        )
+
+
+def _read_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        params = params["full_attention"]  # per-layer-type form
+    if isinstance(params, dict):
+        theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = raw.get("rope_theta", 10000.0)
+        scaling = dict(raw["rope_scaling"]) if raw.get("rope_scaling") else None
+    if scaling is not None:
+        rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+        scaling["rope_type"] = rope_type
+        if rope_type == "default":
+            scaling = None
+    return float(theta), scaling
+
+
+def _read_sliding_window(raw: dict[str, Any]) -> int | None:
+    window = raw.get("sliding_window")
+    if window is None:
+        return None
+    if "use_sliding_window" in raw and not raw["use_sliding_window"]:
+        return None  # Qwen2/Qwen3 carry a window size but have it switched off
+    if raw.get("use_sliding_window"):
+        raise ValueError(
+            "per-layer sliding window (use_sliding_window=true with max_window_layers) is not "
+            "supported yet; use a checkpoint with use_sliding_window=false"
+        )
+    return int(window)

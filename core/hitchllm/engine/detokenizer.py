@@ -1,0 +1,62 @@
+"""Incremental detokenization and stop strings.
+
+Decoding all output tokens every step costs O(n^2). Instead each step decodes a short window:
+the text of ``tokens[prefix_offset:read_offset]`` (already emitted) and of
+``tokens[prefix_offset:]``; the new text is the difference. Decoding with a few tokens of
+context keeps tokenizers that drop or add leading spaces correct, and a trailing U+FFFD means a
+multi-byte character is incomplete, so nothing is emitted until its remaining bytes arrive.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hitchllm.sampling_params import SamplingParams
+
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Turns one sequence's new tokens into new text and watches for stop strings."""
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams):
+        self.tokenizer = tokenizer
+        self.params = params
+        self.tokens: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.tokens)
+        self.text = ""
+        self.stop_reason: str | None = None
+        # Longest stop string minus one: how far back a match may start in old text.
+        self._stop_lookback = max((len(s) for s in params.stop_strings), default=1) - 1
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(
+            tokens,
+            skip_special_tokens=self.params.skip_special_tokens,
+            spaces_between_special_tokens=self.params.spaces_between_special_tokens,
+        )
+
+    def add_tokens(self, new_tokens: list[int]) -> bool:
+        """Append tokens; returns True when a stop string ended the sequence."""
+        self.tokens.extend(new_tokens)
+        prefix_text = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.tokens[self.prefix_offset :])
+        if full_text.endswith("\ufffd") or len(full_text) <= len(prefix_text):
+            return False
+        new_text = full_text[len(prefix_text) :]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.tokens)
+        start = max(0, len(self.text) - self._stop_lookback)
+        self.text += new_text
+        return self._check_stop_strings(start)
+
+    def _check_stop_strings(self, start: int) -> bool:
+        for stop in self.params.stop_strings:
+            pos = self.text.find(stop, start)
+            if pos != -1:
+                end = pos + len(stop) if self.params.include_stop_str_in_output else pos
+                self.text = self.text[:end]
+                self.stop_reason = stop
+                return True
+        return False

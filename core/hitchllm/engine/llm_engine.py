@@ -1,0 +1,283 @@
+"""The engine loop: ``add_request``, then ``step()`` until done. One step is
+schedule -> run the model -> fold the sampled tokens back into requests and outputs."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer
+
+from hitchllm.attention import AttentionSpec, select_attention_backend
+from hitchllm.config import EngineConfig, ModelConfig, parse_size
+from hitchllm.engine.model_runner import ModelRunner
+from hitchllm.engine.output_processor import OutputProcessor
+from hitchllm.kv_cache.manager import KVCacheManager
+from hitchllm.logger import init_logging
+from hitchllm.models.loader import load_model
+from hitchllm.outputs import RequestOutput
+from hitchllm.plugins import get_plugin_registry
+from hitchllm.request import Request, RequestStatus
+from hitchllm.sampling_params import SamplingParams
+from hitchllm.scheduler.scheduler import Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 4 * 2**30
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+Prompt = str | dict[str, Any]
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine's counters."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+class LLMEngine:
+    """Owns the tokenizer, the scheduler (with the KV cache manager) and the model runner."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        init_logging()
+        self.config = config
+        self.registry = get_plugin_registry()
+        self.device = config.resolve_device()
+        self.model_config = ModelConfig.from_pretrained(config.model)
+        mc = self.model_config
+        self.dtype = config.resolve_dtype(mc.checkpoint_dtype, self.device)
+        self.max_model_len = self._resolve_max_model_len()
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        eos = self.tokenizer.eos_token_id
+        self.eos_token_id = eos if eos is not None else (mc.eos_token_ids or [None])[0]
+
+        spec = AttentionSpec.for_device(
+            self.device,
+            dtype=self.dtype,
+            kv_cache_dtype=self.dtype,
+            head_size=mc.head_dim,
+            num_heads=mc.num_attention_heads,
+            num_kv_heads=mc.num_key_value_heads,
+            block_size=config.block_size,
+            sliding_window=mc.sliding_window,
+        )
+        self.attention_backend = select_attention_backend(
+            spec, config.attention_backend, self.registry
+        )
+        logger.info("Using attention backend %s", self.attention_backend.name)
+
+        model = load_model(mc, self.registry, self.device, self.dtype)
+        self.registry.hook.hitchllm_model_loaded(model=model, engine_config=config)
+        self.num_kv_blocks = self._num_kv_blocks()
+        self.kv_cache = KVCacheManager(
+            self.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+            extra_keys_fn=self._block_hash_extra_keys,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens
+                or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                max_model_len=self.max_model_len,
+            ),
+            self.kv_cache,
+        )
+        self.runner = ModelRunner(
+            model, self.attention_backend, spec, self.num_kv_blocks, config.max_num_seqs,
+            self.max_model_len, mc.vocab_size, self.device, config.seed,
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._request_counter = itertools.count()
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d; device %s, %s",
+            self.num_kv_blocks, config.block_size, self.kv_capacity_tokens, self.max_model_len,
+            self.device, str(self.dtype).removeprefix("torch."),
+        )
+
+    # ---- set-up ------------------------------------------------------------------------
+
+    def _resolve_max_model_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        asked = self.config.max_model_len
+        if asked is None:
+            return limit
+        if asked > limit:
+            raise ValueError(
+                f"max_model_len={asked} exceeds the model's max_position_embeddings ({limit}); "
+                f"lower max_model_len to at most {limit}"
+            )
+        return asked
+
+    def _num_kv_blocks(self) -> int:
+        cfg, mc = self.config, self.model_config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        per_block = (2 * mc.num_hidden_layers * cfg.block_size * mc.num_key_value_heads
+                     * mc.head_dim * elem)
+        if cfg.kv_cache_memory is not None:
+            budget = parse_size(cfg.kv_cache_memory)
+        elif self.device.type == "cuda":
+            budget = self._cuda_kv_budget()
+        else:
+            budget = DEFAULT_CPU_KV_CACHE_MEMORY
+        # More blocks than every sequence at full length could use only costs memory.
+        useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
+        num_blocks = min(budget // per_block, useful)
+        if num_blocks * cfg.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache fits {num_blocks * cfg.block_size} tokens, fewer than one "
+                f"max_model_len={self.max_model_len} request; raise kv_cache_memory or "
+                "gpu_memory_utilization, or lower max_model_len"
+            )
+        return int(num_blocks)
+
+    def _cuda_kv_budget(self) -> int:
+        # A rough reserve for activations of the largest step; the memory profile of a
+        # worst-case forward replaces this estimate in the GPU performance work.
+        cfg, mc = self.config, self.model_config
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        tokens = cfg.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        activations = tokens * (4 * mc.hidden_size + 4 * mc.intermediate_size) * elem
+        logits = cfg.max_num_seqs * mc.vocab_size * 4 * 3
+        used = torch.cuda.memory_allocated(self.device)
+        return int(total * cfg.gpu_memory_utilization) - used - activations - logits
+
+    def _block_hash_extra_keys(self, request: Request) -> tuple:
+        results = self.registry.hook.hitchllm_block_hash_extra_keys(request=request)
+        return tuple(itertools.chain.from_iterable(r for r in results if r))
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_kv_blocks * self.config.block_size
+
+    # ---- requests ----------------------------------------------------------------------
+
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """Split a prompt (a string or ``{"prompt_token_ids": [...]}``) into text and ids."""
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer(prompt).input_ids
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            if "prompt" in prompt:
+                return self.tokenize(prompt["prompt"])
+        raise TypeError(
+            "a prompt is a string or a dict with 'prompt_token_ids' (or 'prompt'), "
+            f"got {type(prompt).__name__}"
+        )
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> str:
+        """Validate and queue a request; returns its id. Raises ``ValueError`` for a request
+        that can never be served (nothing is queued then)."""
+        params = params or SamplingParams()
+        request_id = request_id or str(next(self._request_counter))
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self.tokenize(prompt)
+        self._validate(token_ids, params)
+        children = []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1:
+                seed = None if params.seed is None else params.seed + i
+                child_params = replace(params, n=1, seed=seed)
+            children.append(Request(
+                request_id=request_id if params.n == 1 else f"{i}_{request_id}",
+                prompt_token_ids=token_ids,
+                sampling_params=child_params,
+                eos_token_id=self.eos_token_id,
+                priority=priority,
+                cache_salt=cache_salt,
+                prefix_share_key=request_id if params.n > 1 else None,
+            ))
+        self.output_processor.add(request_id, text, children)
+        for child in children:
+            self.scheduler.add_request(child)
+        return request_id
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        if not token_ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(
+                f"prompt token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})"
+            )
+        params.verify_vocab(vocab)
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens, more than max_model_len="
+                f"{self.max_model_len}; shorten it or raise max_model_len"
+            )
+        longest = self.max_model_len
+        if params.max_tokens is not None:
+            longest = min(longest, len(token_ids) + params.max_tokens)
+        # The last sampled token is never fed back, so it needs no KV slot.
+        if longest - 1 > self.kv_capacity_tokens:
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) plus max_tokens needs {longest - 1} KV slots "
+                f"but the whole KV cache holds {self.kv_capacity_tokens}; lower max_tokens or "
+                "give the cache more memory (kv_cache_memory / num_kv_blocks)"
+            )
+
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        """Stop requests now and free their KV blocks; returns their final outputs."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        outputs = []
+        for rid in ids:
+            self.scheduler.finish_requests(
+                self.output_processor.child_ids(rid), RequestStatus.FINISHED_ABORTED
+            )
+            out = self.output_processor.abort(rid)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the loop ----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the outputs of requests that made progress."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty and self.scheduler.has_unfinished_requests():
+            raise RuntimeError("scheduler made no progress with unfinished requests queued")
+        block_ids = {r.request_id: self.kv_cache.get_block_ids(r.request_id)
+                     for r in sched.requests}
+        result = self.runner.execute(sched, block_ids)
+        updated = self.scheduler.update_from_output(sched, result.sampled)
+        outputs, stopped = self.output_processor.process(updated, result.sampled, result.logprobs)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return outputs
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            kv_cache_usage=self.kv_cache.usage,
+            num_preemptions=s.stats.num_preemptions,
+            prefix_cache_queries=self.kv_cache.prefix_cache_queries,
+            prefix_cache_hits=self.kv_cache.prefix_cache_hits,
+        )

@@ -1,0 +1,197 @@
+"""Runs one scheduled batch: flat input tensors, one forward pass, logits where sampling
+happens, sampling. Owns the KV-cache tensors and the backend's metadata builder."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from hitchllm.attention import (
+    Attention,
+    AttentionBackend,
+    AttentionSpec,
+    CommonAttentionMetadata,
+    set_forward_context,
+)
+from hitchllm.engine.input_batch import InputBatch
+from hitchllm.engine.sampler import Sampler
+from hitchllm.engine.sampling_metadata import build_sampling_metadata
+from hitchllm.outputs import Logprob
+from hitchllm.scheduler.scheduler import SchedulerOutput
+
+
+@dataclass
+class RunnerOutput:
+    """Sampled tokens per request id (and, when asked, each token's logprobs)."""
+
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, dict[int, Logprob]] = field(default_factory=dict)
+
+
+class ModelRunner:
+    """Executes scheduled batches of one model with one attention backend."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        backend: type[AttentionBackend],
+        spec: AttentionSpec,
+        num_blocks: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        vocab_size: int,
+        device: torch.device,
+        seed: int,
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.block_size = spec.block_size
+        self.vocab_size = vocab_size
+        max_blocks_per_req = -(-max_model_len // spec.block_size)
+        self.input_batch = InputBatch(max_num_seqs, max_model_len, max_blocks_per_req)
+        self.kv_caches = self._bind_attention(backend, spec, num_blocks)
+        self.builder = backend.get_builder_cls()(spec, device)
+        self.sampler = Sampler()
+        self.default_generator = torch.Generator(device).manual_seed(seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def _bind_attention(
+        self, backend: type[AttentionBackend], spec: AttentionSpec, num_blocks: int
+    ) -> list[torch.Tensor]:
+        layers = sorted(
+            (m for m in self.model.modules() if isinstance(m, Attention)),
+            key=lambda m: m.layer_index,
+        )
+        impl_cls = backend.get_impl_cls()
+        caches = []
+        for layer in layers:
+            shape = backend.get_kv_cache_shape(
+                num_blocks, spec.block_size, layer.num_kv_heads, layer.head_size
+            )
+            cache = torch.zeros(shape, dtype=spec.kv_cache_dtype, device=self.device)
+            impl = impl_cls(layer.num_heads, layer.head_size, layer.scale, layer.num_kv_heads, spec)
+            layer.bind(impl, cache)
+            caches.append(cache)
+        return caches
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, block_ids: dict[str, list[int]]) -> RunnerOutput:
+        """Run the batch; ``block_ids`` maps each scheduled request id to its block list."""
+        for rid in sched.released_ids:
+            self.input_batch.release(rid)
+        for rid in sched.finished_ids:
+            self._generators.pop(rid, None)
+        if sched.is_empty:
+            return RunnerOutput()
+
+        requests = sched.requests
+        rows = np.fromiter(
+            (self.input_batch.sync(r, block_ids[r.request_id]) for r in requests),
+            dtype=np.int64, count=len(requests),
+        )
+        num_sched = np.asarray(sched.num_scheduled_tokens, dtype=np.int64)
+        num_computed = np.fromiter(
+            (r.num_computed_tokens for r in requests), dtype=np.int64, count=len(requests)
+        )
+        common, input_ids, positions = self._prepare_inputs(rows, num_sched, num_computed)
+        attn_metadata = self.builder.build(common)
+        with set_forward_context(attn_metadata):
+            hidden = self.model(input_ids, positions)
+
+        sample_rows = [i for i, s in enumerate(sched.samples) if s]
+        if not sample_rows:
+            return RunnerOutput()
+        ends = common.query_start_loc_cpu[1:].numpy()
+        logits_idx = torch.from_numpy(ends[sample_rows] - 1).to(self.device)
+        logits = self.model.compute_logits(hidden[logits_idx])
+        sampling_requests = [requests[i] for i in sample_rows]
+        return self._sample(sampling_requests, logits)
+
+    def _prepare_inputs(
+        self, rows: np.ndarray, num_sched: np.ndarray, num_computed: np.ndarray
+    ) -> tuple[CommonAttentionMetadata, torch.Tensor, torch.Tensor]:
+        num_reqs = len(rows)
+        num_tokens = int(num_sched.sum())
+        cu = np.cumsum(num_sched)
+        token_req = np.repeat(np.arange(num_reqs), num_sched)
+        offsets = np.arange(num_tokens) - (cu - num_sched)[token_req]
+        positions = num_computed[token_req] + offsets
+        token_rows = rows[token_req]
+        input_ids = self.input_batch.token_ids[token_rows, positions]
+        block_ids = self.input_batch.block_table[token_rows, positions // self.block_size]
+        slot_mapping = block_ids.astype(np.int64) * self.block_size + positions % self.block_size
+
+        seq_lens = (num_computed + num_sched).astype(np.int32)
+        max_seq_len = int(seq_lens.max())
+        num_block_cols = -(-max_seq_len // self.block_size)
+        block_table = self.input_batch.block_table[rows, :num_block_cols]
+        qsl = np.zeros(num_reqs + 1, dtype=np.int32)
+        qsl[1:] = cu
+
+        qsl_cpu = torch.from_numpy(qsl)
+        seq_lens_cpu = torch.from_numpy(seq_lens)
+        common = CommonAttentionMetadata(
+            query_start_loc=self._to_device(qsl_cpu),
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens=self._to_device(seq_lens_cpu),
+            seq_lens_cpu=seq_lens_cpu,
+            num_computed_tokens_cpu=torch.from_numpy(num_computed.astype(np.int32)),
+            block_table=self._to_device(torch.from_numpy(np.ascontiguousarray(block_table))),
+            slot_mapping=self._to_device(torch.from_numpy(slot_mapping)),
+            num_reqs=num_reqs,
+            num_actual_tokens=num_tokens,
+            max_query_len=int(num_sched.max()),
+            max_seq_len=max_seq_len,
+        )
+        return (
+            common,
+            self._to_device(torch.from_numpy(input_ids)),
+            self._to_device(torch.from_numpy(positions)),
+        )
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _sample(self, requests: list, logits: torch.Tensor) -> RunnerOutput:
+        metadata = build_sampling_metadata(
+            params=[r.sampling_params for r in requests],
+            prompt_token_ids=[r.prompt_token_ids for r in requests],
+            output_token_ids=[r.output_token_ids for r in requests],
+            eos_token_ids=[r.eos_token_id for r in requests],
+            generators=[self._generator_for(r) for r in requests],
+            default_generator=self.default_generator,
+            vocab_size=self.vocab_size,
+            device=self.device,
+        )
+        result = self.sampler(logits, metadata)
+        # The step's one device-to-host sync: the tokens (and logprobs) go back to the host.
+        tokens = result.sampled_token_ids.tolist()
+        out = RunnerOutput(sampled={r.request_id: [t] for r, t in zip(requests, tokens)})
+        if result.logprobs is not None:
+            ids = result.logprobs.token_ids.tolist()
+            lps = result.logprobs.logprobs.tolist()
+            ranks = result.logprobs.ranks.tolist()
+            for i, r in enumerate(requests):
+                k = r.sampling_params.logprobs
+                if k is None:
+                    continue
+                entry = {ids[i][0]: Logprob(lps[i][0], ranks[i])}
+                for j in range(1, k + 1):
+                    entry.setdefault(ids[i][j], Logprob(lps[i][j], j))
+                out.logprobs[r.request_id] = entry
+        return out
+
+    def _generator_for(self, request) -> torch.Generator | None:
+        seed = request.sampling_params.seed
+        if seed is None:
+            return None
+        gen = self._generators.get(request.request_id)
+        if gen is None:
+            gen = torch.Generator(self.device).manual_seed(seed)
+            self._generators[request.request_id] = gen
+        return gen

@@ -1,0 +1,144 @@
+"""Turns engine-side requests into user-facing outputs: detokenization, stop strings,
+logprobs, and fan-in of the ``n`` sequences of a parallel-sampling request."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from hitchllm.engine.detokenizer import IncrementalDetokenizer
+from hitchllm.outputs import CompletionOutput, Logprob, RequestOutput
+from hitchllm.request import Request
+
+
+@dataclass
+class SequenceState:
+    """One child sequence of a user request."""
+
+    index: int
+    request: Request
+    detokenizer: IncrementalDetokenizer | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class ParentState:
+    """A user request: prompt plus its ``n`` sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[SequenceState]
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.sequences)
+
+
+class OutputProcessor:
+    """Keeps per-request output state between steps."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.parents: dict[str, ParentState] = {}
+        # child request id -> (parent, index of the child among the parent's sequences)
+        self._parent_of: dict[str, tuple[ParentState, int]] = {}
+
+    def add(self, request_id: str, prompt: str | None, children: list[Request]) -> None:
+        seqs = []
+        for i, child in enumerate(children):
+            params = child.sampling_params
+            detok = (
+                IncrementalDetokenizer(self.tokenizer, child.prompt_token_ids, params)
+                if params.detokenize else None
+            )
+            logprobs = [] if params.logprobs is not None else None
+            seqs.append(SequenceState(i, child, detok, logprobs))
+        parent = ParentState(request_id, prompt, children[0].prompt_token_ids, seqs)
+        self.parents[request_id] = parent
+        for i, child in enumerate(children):
+            self._parent_of[child.request_id] = (parent, i)
+
+    def child_ids(self, request_id: str) -> list[str]:
+        parent = self.parents.get(request_id)
+        return [s.request.request_id for s in parent.sequences] if parent else []
+
+    def process(
+        self,
+        updated: list[Request],
+        new_tokens: dict[str, list[int]],
+        logprobs: dict[str, dict[int, Logprob]],
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """Fold one step's tokens in. Returns the outputs of parents that changed, and the ids
+        of child requests a stop string has just finished (the engine stops them)."""
+        now = time.monotonic()
+        stopped: list[str] = []
+        touched: dict[str, ParentState] = {}
+        for request in updated:
+            parent, index = self._parent_of[request.request_id]
+            seq = parent.sequences[index]
+            if parent.first_token_time is None:
+                parent.first_token_time = now
+            tokens = new_tokens.get(request.request_id, [])
+            if seq.logprobs is not None and request.request_id in logprobs:
+                seq.logprobs.append(logprobs[request.request_id])
+            if seq.detokenizer is not None and seq.detokenizer.add_tokens(tokens):
+                seq.finish_reason, seq.stop_reason = "stop", seq.detokenizer.stop_reason
+                if not request.finished:
+                    stopped.append(request.request_id)
+            if seq.finish_reason is None and request.finished:
+                seq.finish_reason = request.status.finish_reason
+                seq.stop_reason = request.stop_reason
+            touched[parent.request_id] = parent
+        outputs = [self._output(p) for p in touched.values()]
+        for parent in touched.values():
+            if parent.finished:
+                self._forget(parent)
+        return outputs, stopped
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Mark every sequence of ``request_id`` aborted and drop its state."""
+        parent = self.parents.get(request_id)
+        if parent is None:
+            return None
+        for seq in parent.sequences:
+            if seq.finish_reason is None:
+                seq.finish_reason = "abort"
+        self._forget(parent)
+        return self._output(parent)
+
+    def _forget(self, parent: ParentState) -> None:
+        self.parents.pop(parent.request_id, None)
+        for seq in parent.sequences:
+            self._parent_of.pop(seq.request.request_id, None)
+
+    def _output(self, parent: ParentState) -> RequestOutput:
+        completions = []
+        for seq in parent.sequences:
+            text = seq.detokenizer.text if seq.detokenizer is not None else ""
+            completions.append(CompletionOutput(
+                index=seq.index,
+                text=text,
+                token_ids=list(seq.request.output_token_ids),
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+            ))
+        metrics = {"arrival_time": parent.arrival_time}
+        if parent.first_token_time is not None:
+            metrics["first_token_time"] = parent.first_token_time
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=completions,
+            finished=parent.finished,
+            num_cached_tokens=parent.sequences[0].request.num_cached_prompt_tokens,
+            metrics=metrics,
+        )
+

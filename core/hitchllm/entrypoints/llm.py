@@ -1,0 +1,112 @@
+"""``LLM``: offline batched generation, the same shape as vLLM's ``LLM`` class."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from hitchllm.config import EngineConfig
+from hitchllm.engine.llm_engine import LLMEngine, Prompt
+from hitchllm.outputs import RequestOutput
+from hitchllm.sampling_params import SamplingParams
+
+
+class LLM:
+    """Generate from a Hugging Face checkpoint directory.
+
+    >>> llm = LLM(model="path/to/checkpoint")
+    >>> out = llm.generate(["def add(a, b):"], SamplingParams(max_tokens=16, temperature=0))
+    >>> out[0].outputs[0].text
+
+    Keyword arguments are ``EngineConfig`` fields (``dtype``, ``device``, ``attention_backend``,
+    ``block_size``, ``num_kv_blocks``, ``kv_cache_memory``, ``max_model_len``, ``max_num_seqs``,
+    ``max_num_batched_tokens``, ``enable_prefix_caching``, ``seed``, ...). An invalid value
+    raises ``pydantic.ValidationError`` (a ``ValueError``) naming the field.
+    """
+
+    def __init__(self, model: str, **engine_args: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; results come back in input order.
+
+        A prompt is a string or ``{"prompt_token_ids": [...]}``. ``sampling_params`` is one
+        ``SamplingParams`` for all prompts or one per prompt. If any prompt is invalid, a
+        ``ValueError`` is raised and none of the prompts is left queued.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(
+                    f"got {len(params)} sampling params for {len(prompts)} prompts; pass one "
+                    "SamplingParams or one per prompt"
+                )
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(self.engine.add_request(prompt, p))
+        except Exception:
+            self.engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template (or ``chat_template``) and generate.
+
+        ``messages`` is one conversation (a list of ``{"role", "content"}`` dicts) or a list of
+        conversations.
+        """
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.engine.tokenizer
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                "the tokenizer has no chat template; pass chat_template= (a Jinja template)"
+            )
+        prompts = []
+        for conversation in conversations:
+            ids = tokenizer.apply_chat_template(
+                conversation, chat_template=chat_template, tokenize=True,
+                add_generation_prompt=add_generation_prompt, return_dict=True,
+            )["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(ids)
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm)
+        try:
+            while pending:
+                for out in self.engine.step():
+                    if out.finished and out.request_id in pending:
+                        results[out.request_id] = out
+                        pending.discard(out.request_id)
+                        bar.update(1)
+        except BaseException:
+            self.engine.abort_request(list(pending))
+            raise
+        finally:
+            bar.close()
+        return [results[rid] for rid in ids]

@@ -1,0 +1,118 @@
+"""Hook specifications: the extension API of hitchllm.
+
+A plugin is a module (named by an entry point in the group ``hitchllm.plugins``) holding
+functions marked with ``hitchllm.hookimpl`` whose names match the hooks below. pluggy calls
+hooks with keyword arguments only; an implementation may accept any subset of a hook's
+arguments, and an argument given a default value in an implementation is never passed.
+Implementations registered last are called first.
+
+The core registers its own built-ins (the TORCH attention backend and the Llama-family models)
+through these same hooks, so built-ins and third-party plugins are treated alike.
+
+Hooks are grouped by the engine's lifecycle:
+
+1. Discovery (once per process, when the engine is built): what a plugin provides.
+2. Model load (once per engine): after the weights are in place.
+3. Per request: identity that must enter prefix-cache keys.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    import torch
+
+    from hitchllm.attention.backend import AttentionBackend
+    from hitchllm.config import EngineConfig
+    from hitchllm.request import Request
+
+hookspec = pluggy.HookspecMarker("hitchllm")
+
+
+# --------------------------------------------------------------------------------------------
+# 1. Discovery
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec
+def hitchllm_attention_backends() -> list[type[AttentionBackend]]:
+    """Return the attention backend classes this plugin provides.
+
+    Called once per process when the attention selector is first used. Return a list of
+    ``hitchllm.attention.AttentionBackend`` subclasses (classes, not instances). Importing
+    heavy kernel libraries should happen lazily (in ``validate`` or the impl), so that a
+    machine without them can still list the backend and say why it is not valid.
+    """
+
+
+@hookspec
+def hitchllm_model_architectures() -> dict[str, type[torch.nn.Module]]:
+    """Return a mapping of Hugging Face architecture name to model class.
+
+    Called once per engine when the model is built. Keys are the names found in a checkpoint's
+    ``config.json`` ``architectures`` list (e.g. ``"DeepseekV3ForCausalLM"``). A model class is
+    constructed as ``cls(model_config)`` (a ``hitchllm.config.ModelConfig``), must route its
+    attention through ``hitchllm.attention.Attention`` layers, and provide
+    ``forward(input_ids, positions) -> hidden_states``, ``compute_logits(hidden_states)`` and
+    ``load_weights(weights: Iterable[tuple[str, torch.Tensor]])``. When two plugins provide the
+    same name, the one registered last wins (so a plugin can override a built-in).
+    """
+
+
+@hookspec
+def hitchllm_quantization_methods() -> dict[str, type[Any]]:
+    """Return a mapping of quantization method name to quantization class.
+
+    Called once per engine when ``quantization=NAME`` is requested (or the checkpoint's
+    ``quantization_config.quant_method`` names one). The class is constructed as
+    ``cls(model_config)`` and its ``process_model(model)`` is called with the model after
+    construction and before weights load, so it can replace linear layers with quantized ones.
+    An unknown method name is an error listing the installed ones.
+    """
+
+
+@hookspec
+def hitchllm_speculative_proposers() -> dict[str, type[Any]]:
+    """Return a mapping of speculative method name to proposer class.
+
+    Called once per engine when ``speculative_method=NAME`` is requested. The proposer is
+    constructed as ``cls(engine_config)`` and its ``propose(requests) -> dict[str, list[int]]``
+    is called after each step with the running requests; the draft tokens it returns are set as
+    ``request.spec_token_ids`` and the scheduler reserves ``1 + len(draft)`` tokens for the
+    request's next step.
+    """
+
+
+# --------------------------------------------------------------------------------------------
+# 2. Model load
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec
+def hitchllm_model_loaded(model: torch.nn.Module, engine_config: EngineConfig) -> None:
+    """Called once per engine right after the model's weights are loaded, before the KV cache
+    is allocated.
+
+    Use it to wrap layers (e.g. the LoRA plugin replaces linear layers with adapter-aware ones).
+    Changes are made in place; the return value is ignored.
+    """
+
+
+# --------------------------------------------------------------------------------------------
+# 3. Per request
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec
+def hitchllm_block_hash_extra_keys(request: Request) -> tuple[Any, ...] | None:
+    """Return extra values that must enter every KV block hash of ``request``.
+
+    Called when a request's block hashes are computed for prefix caching. Two requests share
+    cached blocks only if every plugin returns equal keys for both (e.g. the LoRA plugin returns
+    the adapter name, so blocks computed under different adapters are never shared). Return
+    ``None`` when the plugin has nothing to add. Values must be str, int or None so hashes stay
+    deterministic across processes.
+    """

@@ -1,0 +1,65 @@
+"""Building a model from a checkpoint directory: architecture lookup, construction, weights."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from hitchllm.config import ModelConfig
+from hitchllm.plugins import PluginRegistry
+
+
+def model_architectures(registry: PluginRegistry) -> dict[str, type[nn.Module]]:
+    """Architecture name -> model class, merged over plugins (last registered wins)."""
+    merged: dict[str, type[nn.Module]] = {}
+    # pluggy returns results last-registered first; apply in registration order.
+    for result in reversed(registry.hook.hitchllm_model_architectures()):
+        merged.update(result or {})
+    return merged
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The checkpoint's weight files, via the shard index when there is one."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / name for name in sorted(set(weight_map.values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights found in {path}")
+    return files
+
+
+def iterate_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint, file by file, loaded on the CPU."""
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, f.get_tensor(name)
+
+
+def load_model(
+    config: ModelConfig, registry: PluginRegistry, device: torch.device, dtype: torch.dtype
+) -> nn.Module:
+    """Construct the architecture's model on ``device`` in ``dtype`` and load its weights."""
+    archs = model_architectures(registry)
+    cls = archs.get(config.architecture)
+    if cls is None:
+        raise ValueError(
+            f"architecture {config.architecture!r} is not supported by any installed plugin; "
+            f"supported: {', '.join(sorted(archs))}"
+        )
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(config)
+    finally:
+        torch.set_default_dtype(previous)
+    model.load_weights(iterate_weights(config.path))
+    return model.eval()

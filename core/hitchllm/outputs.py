@@ -1,0 +1,44 @@
+"""What generation returns, shaped like vLLM's ``RequestOutput`` / ``CompletionOutput``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """The log probability of one token and its 1-based rank under the model's distribution."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a request (a request with ``n > 1`` has several)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # One dict per generated token (token id -> Logprob) when logprobs were requested.
+    logprobs: list[dict[int, Logprob]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """A request's prompt and its outputs so far."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,212 @@
+"""Continuous batching under one token budget, with chunked prefill and preemption.
+
+Each step assigns ``{request: num_new_tokens}`` under ``max_num_batched_tokens`` and
+``max_num_seqs``. There are no separate prefill and decode phases: running requests are
+served first (a decode is 1 token, or 1 + k with speculative drafts; an unfinished prefill
+continues with as many tokens as the budget allows), then waiting requests are admitted, their
+prompts split across steps when they do not fit the remaining budget.
+
+When the KV cache runs out of blocks, a running request is preempted by recompute: its blocks
+are freed and it goes back to the front of the waiting queue (prefix caching usually makes the
+recompute cheap). The victim is chosen by ``PreemptionPolicy``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from hitchllm.kv_cache.manager import KVCacheManager
+from hitchllm.request import Request, RequestStatus
+from hitchllm.scheduler.policy import PreemptionPolicy
+from hitchllm.scheduler.stop import check_stop
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one step."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    policy: PreemptionPolicy = PreemptionPolicy.FCFS
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's batch: requests in row order and how many new tokens each computes."""
+
+    requests: list[Request]
+    num_scheduled_tokens: list[int]
+    # Per row: whether the row's last scheduled token is the request's newest token, so the
+    # step samples for it (false for a chunk in the middle of a prompt).
+    samples: list[bool]
+    # Requests whose runner rows must be dropped before this step: finished or preempted
+    # since the last step.
+    released_ids: list[str] = field(default_factory=list)
+    # Of those, the ones that finished (their per-request sampling state goes too).
+    finished_ids: list[str] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+@dataclass
+class SchedulerStats:
+    """Counters for metrics and tests."""
+
+    num_preemptions: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+
+
+class Scheduler:
+    """Owns the waiting and running queues and the KV cache manager."""
+
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+        self._released: list[str] = []
+        self._finished: list[str] = []
+
+    # ---- requests in and out -----------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+        self.requests[request.request_id] = request
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """End requests (abort, stop string found): free their blocks at once."""
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv_cache.free(request)
+        self._released.append(request.request_id)
+        self._finished.append(request.request_id)
+        del self.requests[request.request_id]
+
+    # ---- one step ----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's batch."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[Request, int] = {}
+        preempted_any = False
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = self._num_tokens_to_compute(request, budget)
+            if num_new == 0:
+                index += 1
+                continue
+            lookahead = len(request.spec_token_ids)
+            while not self.kv_cache.allocate_slots(request, num_new, num_lookahead_tokens=lookahead):
+                victim = self.config.policy.pick_victim(self.running)
+                budget += scheduled.pop(victim, 0)
+                self._preempt(victim)
+                preempted_any = True
+                if victim is request:
+                    break
+            else:
+                scheduled[request] = num_new
+                budget -= num_new
+                index += 1
+
+        # Admitting new work right after a preemption would only thrash the cache.
+        while (
+            not preempted_any
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting[0]
+            hit_blocks, num_hit = self.kv_cache.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit, budget)
+            if not self.kv_cache.allocate_slots(request, num_new, hit_blocks):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            if request.num_preemptions == 0:
+                request.num_cached_prompt_tokens = num_hit
+            self.running.append(request)
+            scheduled[request] = num_new
+            budget -= num_new
+
+        requests = list(scheduled)
+        counts = [scheduled[r] for r in requests]
+        samples = [r.num_computed_tokens + n >= r.num_tokens for r, n in zip(requests, counts)]
+        released, self._released = self._released, []
+        finished, self._finished = self._finished, []
+        self.stats.num_running = len(self.running)
+        self.stats.num_waiting = len(self.waiting)
+        return SchedulerOutput(requests, counts, samples, released, finished)
+
+    def _num_tokens_to_compute(self, request: Request, budget: int) -> int:
+        remaining = request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens
+        room = self.config.max_model_len - request.num_computed_tokens
+        return max(0, min(remaining, budget, room))
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(request)
+        self._released.append(request.request_id)
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: dict[str, list[int]]
+    ) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, finish requests that stop.
+
+        ``sampled`` maps request id to the tokens accepted for it this step (one token, or
+        more with speculative decoding). Returns the requests that got new tokens.
+        """
+        updated = []
+        for request, num_new in zip(output.requests, output.num_scheduled_tokens):
+            if request.finished or request.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted after scheduling
+            request.num_computed_tokens += num_new
+            tokens = sampled.get(request.request_id)
+            if not tokens:
+                continue
+            # Rejected drafts were computed but are not part of the sequence: their K/V will be
+            # overwritten. ``tokens`` holds the accepted drafts plus one newly sampled token.
+            request.num_computed_tokens -= len(request.spec_token_ids) - (len(tokens) - 1)
+            request.spec_token_ids = []
+            for token in tokens:
+                request.append_output_token(token)
+                status = check_stop(request, self.config.max_model_len)
+                if status is not None:
+                    self.running.remove(request)
+                    self._finish(request, status)
+                    break
+            updated.append(request)
+        return updated
