@@ -14,8 +14,12 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-import importlib_metadata
 import pluggy
+
+try:  # the backport tracks newer entry-point behaviour; the stdlib module is enough otherwise
+    import importlib_metadata
+except ImportError:  # pragma: no cover - depends on the environment
+    import importlib.metadata as importlib_metadata  # type: ignore[no-redef]
 
 from hitchllm import hookspecs
 

@@ -1,0 +1,64 @@
+"""``hitchllm backends``: every discovered attention backend, its origin and validity."""
+
+from __future__ import annotations
+
+import torch
+
+from hitchllm.attention import AttentionSpec, rank_backends
+from hitchllm.attention.selector import AttentionBackendError, select_attention_backend
+from hitchllm.config import ModelConfig, parse_dtype
+from hitchllm.plugins import get_plugin_registry
+
+# The shape shown when no model is given: 32 query heads, 8 KV heads, head size 128.
+_DEFAULT_SHAPE = {"head_size": 128, "num_heads": 32, "num_kv_heads": 8}
+
+
+def _spec(model: str | None, device_name: str, dtype_name: str, block_size: int) -> AttentionSpec:
+    if device_name == "auto":
+        device_name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device_name)
+    if dtype_name == "auto":
+        dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    else:
+        dtype = parse_dtype(dtype_name)
+    shape = dict(_DEFAULT_SHAPE)
+    window = None
+    if model is not None:
+        mc = ModelConfig.from_pretrained(model)
+        shape = {"head_size": mc.head_dim, "num_heads": mc.num_attention_heads,
+                 "num_kv_heads": mc.num_key_value_heads}
+        window = mc.sliding_window
+    return AttentionSpec.for_device(
+        device, dtype=dtype, kv_cache_dtype=dtype, block_size=block_size,
+        sliding_window=window, **shape,
+    )
+
+
+def print_backends(model: str | None, device: str, dtype: str, block_size: int) -> int:
+    """Print the table; returns a process exit code (1 when no backend is valid)."""
+    spec = _spec(model, device, dtype, block_size)
+    registry = get_plugin_registry()
+    candidates = rank_backends(spec, registry)
+    print(f"device {spec.device_type}"
+          + (f" (sm_{spec.device_capability[0]}{spec.device_capability[1]})"
+             if spec.device_capability else "")
+          + f", dtype {str(spec.dtype).removeprefix('torch.')}, head size {spec.head_size}, "
+          f"heads {spec.num_heads}/{spec.num_kv_heads}, block size {spec.block_size}")
+    rows = [("NAME", "PRIORITY", "FROM", "VALID")]
+    for c in candidates:
+        rows.append((c.name, str(c.backend.priority),
+                     f"{c.source.distribution} {c.source.version}",
+                     "yes" if c.valid else "no: " + "; ".join(c.reasons)))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    for r in rows:
+        print("  ".join(col.ljust(w) for col, w in zip(r[:3], widths)) + "  " + r[3])
+    for failed in registry.failed:
+        print(f"plugin {failed.name} ({failed.distribution} {failed.version}) failed to load: "
+              f"{failed.error}")
+    try:
+        chosen = select_attention_backend(spec, registry=registry)
+    except AttentionBackendError as exc:
+        print(f"auto mode: {exc}")
+        return 1
+    print(f"auto mode picks: {chosen.name}")
+    return 0
