@@ -52,11 +52,12 @@ class IncrementalDetokenizer:
         return self._check_stop_strings(start)
 
     def _check_stop_strings(self, start: int) -> bool:
-        for stop in self.params.stop_strings:
-            pos = self.text.find(stop, start)
-            if pos != -1:
-                end = pos + len(stop) if self.params.include_stop_str_in_output else pos
-                self.text = self.text[:end]
-                self.stop_reason = stop
-                return True
-        return False
+        found = [(pos, stop) for stop in self.params.stop_strings
+                 if (pos := self.text.find(stop, start)) != -1]
+        if not found:
+            return False
+        pos, stop = min(found)  # the earliest match ends the sequence
+        end = pos + len(stop) if self.params.include_stop_str_in_output else pos
+        self.text = self.text[:end]
+        self.stop_reason = stop
+        return True

@@ -1,0 +1,166 @@
+"""Which physical blocks each request owns, and prefix cache lookups and registration."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from hitchllm.kv_cache.block_pool import BlockPool, KVCacheBlock
+from hitchllm.kv_cache.hashing import BlockHash, hash_block_tokens
+from hitchllm.request import Request
+
+
+class KVCacheManager:
+    """Allocates KV cache blocks to requests and shares identical full prefix blocks.
+
+    A request *uses hashing* when prefix caching is on, or when it carries a
+    ``prefix_share_key`` (the children of an ``n > 1`` request share their prompt even with
+    caching off). Only full blocks whose tokens are all known are hashed and registered.
+    The scheduler owns ``request.num_computed_tokens``; this class only reads it.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        extra_keys_fn: Callable[[Request], tuple] | None = None,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.extra_keys_fn = extra_keys_fn
+        self.block_pool = BlockPool(num_blocks)
+        self._blocks: dict[str, list[KVCacheBlock]] = {}
+        self._hashes: dict[str, list[BlockHash]] = {}
+        # How many of a request's leading blocks were already offered to the prefix cache, so
+        # each decode step only looks at the blocks it filled.
+        self._num_registered: dict[str, int] = {}
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks available to allocate, cached-but-unused ones included."""
+        return self.block_pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use by requests, in [0, 1]."""
+        return self.block_pool.usage
+
+    def _uses_hashing(self, request: Request) -> bool:
+        return self.enable_prefix_caching or request.prefix_share_key is not None
+
+    def _block_hashes(self, request: Request) -> list[BlockHash]:
+        """Hashes of every full block of ``request.all_token_ids``, extended incrementally."""
+        hashes = self._hashes.setdefault(request.request_id, [])
+        num_full = request.num_tokens // self.block_size
+        if len(hashes) == num_full:
+            return hashes
+        every_block = (request.lora_name,)
+        if self.extra_keys_fn is not None:
+            every_block += (self.extra_keys_fn(request),)
+        # With caching on, equal content may be shared by anyone, share key or not; with it off
+        # the share key is what confines sharing to one group of sibling requests.
+        share_key = None if self.enable_prefix_caching else request.prefix_share_key
+        first_block = (*every_block, share_key, request.cache_salt)
+        tokens = request.all_token_ids
+        for i in range(len(hashes), num_full):
+            parent = hashes[i - 1] if i > 0 else None
+            block_tokens = tokens[i * self.block_size : (i + 1) * self.block_size]
+            keys = first_block if i == 0 else every_block
+            hashes.append(hash_block_tokens(parent, block_tokens, keys))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Leading full prompt blocks already in the cache, and how many tokens they hold.
+
+        The hit stops short of the whole prompt so the last prompt token is always computed
+        and produces logits to sample from. Reference counts are not changed: pass the blocks
+        to ``allocate_slots`` to take them.
+        """
+        if not self._uses_hashing(request):
+            return [], 0
+        max_hit_blocks = (request.num_prompt_tokens - 1) // self.block_size
+        hit: list[KVCacheBlock] = []
+        for block_hash in self._block_hashes(request)[:max_hit_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hit.append(block)
+        num_hit_tokens = len(hit) * self.block_size
+        self.prefix_cache_queries += request.num_prompt_tokens
+        self.prefix_cache_hits += num_hit_tokens
+        return hit, num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> bool:
+        """Give ``request`` blocks for its computed tokens, the hit, and the tokens to compute.
+
+        ``new_computed_blocks`` (from ``get_computed_blocks``, only before the request holds
+        any block) become the first blocks and are referenced. Returns False, changing nothing,
+        when too few blocks are free; free cached blocks count as free and are evicted first.
+        """
+        hit = new_computed_blocks or []
+        blocks = self._blocks.get(request.request_id, [])
+        if hit and (blocks or request.num_computed_tokens):
+            raise ValueError(
+                f"request {request.request_id}: new_computed_blocks are only valid for a "
+                "request with no computed tokens and no blocks"
+            )
+        num_hit_tokens = len(hit) * self.block_size
+        num_computed_after = request.num_computed_tokens + num_hit_tokens + num_new_tokens
+        num_needed = -(-(num_computed_after + num_lookahead_tokens) // self.block_size)
+        num_new_blocks = max(0, num_needed - len(blocks) - len(hit))
+        # A hit on a free cached block takes it out of the free pool too.
+        num_hit_free = sum(1 for block in hit if block.ref_cnt == 0)
+        if num_new_blocks + num_hit_free > self.block_pool.num_free_blocks:
+            return False
+
+        self.block_pool.touch(hit)
+        blocks = hit + blocks
+        blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
+        self._blocks[request.request_id] = blocks
+        if self._uses_hashing(request):
+            self._register_full_blocks(request, min(num_computed_after, request.num_tokens))
+        return True
+
+    def _register_full_blocks(self, request: Request, num_known_tokens: int) -> None:
+        """Offer the request's full blocks covering ``num_known_tokens`` to the prefix cache."""
+        rid = request.request_id
+        num_full = num_known_tokens // self.block_size
+        start = self._num_registered.get(rid, 0)
+        if num_full <= start:
+            return
+        hashes = self._block_hashes(request)
+        blocks = self._blocks[rid]
+        for i in range(start, num_full):
+            self.block_pool.cache_block(blocks[i], hashes[i])
+        self._num_registered[rid] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks and forget it; a no-op for an unknown request."""
+        rid = request.request_id
+        blocks = self._blocks.pop(rid, [])
+        # Tail first: a prompt's last blocks are the least likely to be hit again.
+        self.block_pool.free_blocks(reversed(blocks))
+        self._hashes.pop(rid, None)
+        self._num_registered.pop(rid, None)
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """Physical block ids of the request, in token order (its block table row)."""
+        return [block.block_id for block in self._blocks.get(request_id, [])]
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block hash; only succeeds while no request holds a block."""
+        return self.block_pool.reset_prefix_cache()

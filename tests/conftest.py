@@ -1,0 +1,44 @@
+"""Shared fixtures: tiny random checkpoints built offline, and a Hugging Face greedy reference."""
+
+import os
+
+# Triton kernels must run in the interpreter on machines without a GPU; this must be set
+# before any @triton.jit function is defined, so it sits at the very top of the test session.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from hitchllm.plugins import reset_plugin_registry  # noqa: E402
+from hitchllm.tiny_model import ARCHITECTURES, build_tiny_checkpoint  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, str]:
+    """Architecture name -> directory of a tiny random checkpoint of that architecture."""
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {arch: str(build_tiny_checkpoint(root / arch, arch)) for arch in ARCHITECTURES}
+
+
+@pytest.fixture(scope="session")
+def llama_path(tiny_models) -> str:
+    return tiny_models["LlamaForCausalLM"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plugins(monkeypatch):
+    """Each test discovers plugins anew and sees no forcing from the developer's shell."""
+    for var in ("HITCHLLM_PLUGINS", "HITCHLLM_ATTENTION_BACKEND", "VLLM_ATTENTION_BACKEND"):
+        monkeypatch.delenv(var, raising=False)
+    reset_plugin_registry()
+    yield
+    reset_plugin_registry()
