@@ -5,6 +5,9 @@ import os
 # Triton kernels must run in the interpreter on machines without a GPU; this must be set
 # before any @triton.jit function is defined, so it sits at the very top of the test session.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Engines in tests run on the CPU unless a test asks for CUDA (the GPU tests do), so the
+# CPU suite means the same thing on a machine that has a GPU.
+os.environ.setdefault("HITCHLLM_DEVICE", "cpu")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

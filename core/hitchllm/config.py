@@ -4,6 +4,7 @@ edge) and ``ModelConfig``, what the engine reads from a checkpoint's ``config.js
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +50,8 @@ class EngineConfig(BaseModel):
     model: str
     tokenizer: str | None = None
     dtype: str = "auto"
-    device: str = "auto"
+    # Default from HITCHLLM_DEVICE when set (handy to pin a test run), else "auto".
+    device: str = Field(default_factory=lambda: os.environ.get("HITCHLLM_DEVICE", "auto"))
     attention_backend: str | None = None
     block_size: int = Field(16, ge=1, le=1024)
     num_kv_blocks: int | None = Field(None, ge=1)

@@ -16,7 +16,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
     g.add_argument("--model", required=model_required, help="checkpoint directory")
     g.add_argument("--tokenizer", help="tokenizer directory (default: the model's)")
     g.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
-    g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    g.add_argument("--device", help="auto (default), cpu or cuda[:N]")
     g.add_argument("--attention-backend", help="force a backend by name (see `hitchllm backends`)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--num-kv-blocks", type=int, help="exact number of KV-cache blocks")
