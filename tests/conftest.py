@@ -9,11 +9,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # CPU suite means the same thing on a machine that has a GPU.
 os.environ.setdefault("HITCHLLM_DEVICE", "cpu")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from hitchllm.plugins import reset_plugin_registry  # noqa: E402
-from hitchllm.tiny_model import ARCHITECTURES, build_tiny_checkpoint  # noqa: E402
+from hitchllm.plugins import reset_plugin_registry
+from hitchllm.tiny_model import ARCHITECTURES, build_tiny_checkpoint
 
 
 def pytest_collection_modifyitems(config, items):

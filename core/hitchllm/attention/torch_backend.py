@@ -54,7 +54,9 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder):
             slot_mapping=common.slot_mapping[:num_tokens],
             block_table=common.block_table[:n],
             seq_lens=common.seq_lens[:n].long(),
-            context_lens=common.num_computed_tokens_cpu[:n].long().to(self.device, non_blocking=True),
+            context_lens=common.num_computed_tokens_cpu[:n].long().to(
+                self.device, non_blocking=True
+            ),
             token_req=token_req.to(self.device, non_blocking=True),
             token_qpos=token_qpos.to(self.device, non_blocking=True),
             num_reqs=n,

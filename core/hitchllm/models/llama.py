@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -124,7 +125,7 @@ class LlamaForCausalLM(nn.Module):
     """A decoder-only LM over a packed batch: ``forward(input_ids [T], positions [T])``."""
 
     # Checkpoint tensor name fragment -> (our stacked parameter, shard index).
-    _STACKED = {
+    _STACKED: ClassVar[dict[str, tuple[str, int]]] = {
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
@@ -158,7 +159,9 @@ class LlamaForCausalLM(nn.Module):
                     target, shard = name.replace(part, stacked), index
                     break
             if target not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has no place in {type(self).__name__}"
+                )
             param = params[target]
             with torch.no_grad():
                 if shard is None:
@@ -188,7 +191,8 @@ class LlamaForCausalLM(nn.Module):
                 if name not in loaded:
                     missing.append(name)
             else:
-                missing += [f"{name}#{i}" for i in range(shards[kind]) if f"{name}#{i}" not in loaded]
+                parts = (f"{name}#{i}" for i in range(shards[kind]))
+                missing += [p for p in parts if p not in loaded]
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {', '.join(missing[:8])}"
                              + (" ..." if len(missing) > 8 else ""))

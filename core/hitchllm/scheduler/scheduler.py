@@ -123,7 +123,9 @@ class Scheduler:
                 index += 1
                 continue
             lookahead = len(request.spec_token_ids)
-            while not self.kv_cache.allocate_slots(request, num_new, num_lookahead_tokens=lookahead):
+            while not self.kv_cache.allocate_slots(
+                request, num_new, num_lookahead_tokens=lookahead
+            ):
                 victim = self.config.policy.pick_victim(self.running)
                 budget += scheduled.pop(victim, 0)
                 self._preempt(victim)
