@@ -62,6 +62,11 @@ class EngineConfig(BaseModel):
     max_num_batched_tokens: int | None = Field(None, ge=1)
     enable_prefix_caching: bool = True
     seed: int = 0
+    # A method from a quantization plugin; default: the checkpoint's quant_method, if any.
+    quantization: str | None = None
+    # A proposer from a speculative-decoding plugin, and how many draft tokens per step.
+    speculative_method: str | None = None
+    num_speculative_tokens: int = Field(0, ge=0, le=64)
 
     @field_validator("dtype")
     @classmethod
@@ -86,6 +91,15 @@ class EngineConfig(BaseModel):
         if v is not None and parse_size(v) <= 0:
             raise ValueError("kv_cache_memory must be positive")
         return v
+
+    @model_validator(mode="after")
+    def _check_speculation(self) -> EngineConfig:
+        if self.speculative_method and self.num_speculative_tokens == 0:
+            raise ValueError(
+                "speculative_method is set but num_speculative_tokens is 0; set it to the "
+                "number of draft tokens per step (e.g. 3)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_model_path(self) -> EngineConfig:

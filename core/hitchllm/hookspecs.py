@@ -79,10 +79,14 @@ def hitchllm_speculative_proposers() -> dict[str, type[Any]]:
     """Return a mapping of speculative method name to proposer class.
 
     Called once per engine when ``speculative_method=NAME`` is requested. The proposer is
-    constructed as ``cls(engine_config)`` and its ``propose(requests) -> dict[str, list[int]]``
-    is called after each step with the running requests; the draft tokens it returns are set as
-    ``request.spec_token_ids`` and the scheduler reserves ``1 + len(draft)`` tokens for the
-    request's next step.
+    constructed as ``cls(engine_config)`` (``engine_config.num_speculative_tokens`` says how
+    many drafts to make). After each step its ``propose(requests) -> dict[str, list[int]]`` is
+    called with the running requests that are decoding (every token but the newest has its
+    K/V cached); ``request.all_token_ids`` is the context to draft from. The drafts returned
+    for a request id (at most ``num_speculative_tokens``; fewer or none is fine) become
+    ``request.spec_token_ids``: the next step computes ``1 + len(drafts)`` tokens for the
+    request and the core verifies them by rejection sampling, so the output distribution is the
+    target model's whatever the drafts are.
     """
 
 
@@ -104,6 +108,29 @@ def hitchllm_model_loaded(model: torch.nn.Module, engine_config: EngineConfig) -
 # --------------------------------------------------------------------------------------------
 # 3. Per request
 # --------------------------------------------------------------------------------------------
+
+
+@hookspec
+def hitchllm_request_added(request: Request, engine_config: EngineConfig) -> None:
+    """Called when a request is added to the engine, after the core validated it and before it
+    is queued.
+
+    Raise ``ValueError`` with a message saying what to change to reject the request (for
+    example the LoRA plugin rejects an adapter it cannot load); the request is then not queued
+    and nothing else is affected. ``request.lora_request`` holds whatever the caller passed as
+    ``lora_request`` (``None`` if nothing). The return value is ignored.
+    """
+
+
+@hookspec
+def hitchllm_before_forward(requests: list[Request], num_scheduled_tokens: list[int]) -> None:
+    """Called by the model runner once per step, right before the model's forward pass.
+
+    ``requests`` are the step's batch rows in order; row ``i`` contributes
+    ``num_scheduled_tokens[i]`` consecutive tokens to the packed batch. Use it to set up
+    per-token state a wrapped layer needs (the LoRA plugin maps each token to its request's
+    adapter). Must not synchronize with the device. The return value is ignored.
+    """
 
 
 @hookspec

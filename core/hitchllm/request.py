@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from hitchllm.sampling_params import SamplingParams
 
@@ -53,8 +54,9 @@ class Request:
     # Requests with the same share key may share prompt blocks even when prefix caching is
     # off (the children of an n > 1 request).
     prefix_share_key: str | None = None
-    # Adapter or other plugin-defined identity mixed into every block hash (LoRA).
-    lora_name: str | None = None
+    # What the caller passed as ``lora_request`` (interpreted by the LoRA plugin); its
+    # ``lora_name`` enters every block hash so adapters never share cached blocks.
+    lora_request: Any = None
 
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)
@@ -68,6 +70,10 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def lora_name(self) -> str | None:
+        return getattr(self.lora_request, "lora_name", None)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -75,7 +75,7 @@ class LLMEngine:
         )
         logger.info("Using attention backend %s", self.attention_backend.name)
 
-        model = load_model(mc, self.registry, self.device, self.dtype)
+        model = load_model(mc, self.registry, self.device, self.dtype, config.quantization)
         self.registry.hook.hitchllm_model_loaded(model=model, engine_config=config)
         self.num_kv_blocks = self._num_kv_blocks()
         self.kv_cache = KVCacheManager(
@@ -94,8 +94,11 @@ class LLMEngine:
         self.runner = ModelRunner(
             model, self.attention_backend, spec, self.num_kv_blocks, config.max_num_seqs,
             self.max_model_len, mc.vocab_size, self.device, config.seed,
+            before_forward=self.registry.hook.hitchllm_before_forward,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.vocab_size = mc.vocab_size
+        self.proposer = self._build_proposer()
         self._request_counter = itertools.count()
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d; device %s, %s",
@@ -153,6 +156,40 @@ class LLMEngine:
         used = torch.cuda.memory_allocated(self.device)
         return int(total * cfg.gpu_memory_utilization) - used - activations - logits
 
+    def _build_proposer(self) -> Any:
+        name = self.config.speculative_method
+        if name is None:
+            return None
+        proposers: dict[str, type[Any]] = {}
+        for result in reversed(self.registry.hook.hitchllm_speculative_proposers()):
+            proposers.update(result or {})
+        if name not in proposers:
+            raise ValueError(
+                f"speculative method {name!r} is not provided by any installed plugin; "
+                f"installed: {', '.join(sorted(proposers)) or 'none'} "
+                "(pip install hitchllm-specdec)"
+            )
+        return proposers[name](self.config)
+
+    def _propose_drafts(self) -> None:
+        """Ask the proposer for draft tokens for every request that is decoding."""
+        decoding = [r for r in self.scheduler.running
+                    if r.num_computed_tokens == r.num_tokens - 1]
+        if not decoding:
+            return
+        drafts = self.proposer.propose(decoding) or {}
+        for r in decoding:
+            limit = min(
+                self.config.num_speculative_tokens,
+                self.max_model_len - r.num_tokens,
+                (r.sampling_params.max_tokens or self.max_model_len) - r.num_output_tokens - 1,
+            )
+            proposed = [int(t) for t in drafts.get(r.request_id, [])[: max(0, limit)]]
+            # A draft outside the vocabulary (a proposer bug) ends the draft there.
+            valid = next((i for i, t in enumerate(proposed) if not 0 <= t < self.vocab_size),
+                         len(proposed))
+            r.spec_token_ids = proposed[:valid]
+
     def _block_hash_extra_keys(self, request: Request) -> tuple:
         results = self.registry.hook.hitchllm_block_hash_extra_keys(request=request)
         return tuple(itertools.chain.from_iterable(r for r in results if r))
@@ -184,6 +221,7 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: Any = None,
     ) -> str:
         """Validate and queue a request; returns its id. Raises ``ValueError`` for a request
         that can never be served (nothing is queued then)."""
@@ -207,7 +245,10 @@ class LLMEngine:
                 priority=priority,
                 cache_salt=cache_salt,
                 prefix_share_key=request_id if params.n > 1 else None,
+                lora_request=lora_request,
             ))
+        for child in children:
+            self.registry.hook.hitchllm_request_added(request=child, engine_config=self.config)
         self.output_processor.add(request_id, text, children)
         for child in children:
             self.scheduler.add_request(child)
@@ -266,9 +307,11 @@ class LLMEngine:
                      for r in sched.requests}
         result = self.runner.execute(sched, block_ids)
         updated = self.scheduler.update_from_output(sched, result.sampled)
-        outputs, stopped = self.output_processor.process(updated, result.sampled, result.logprobs)
+        outputs, stopped = self.output_processor.process(updated, result.logprobs)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        if self.proposer is not None:
+            self._propose_drafts()
         return outputs
 
     def stats(self) -> EngineStats:

@@ -3,7 +3,9 @@ happens, sampling. Owns the KV-cache tensors and the backend's metadata builder.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -17,18 +19,20 @@ from hitchllm.attention import (
     set_forward_context,
 )
 from hitchllm.engine.input_batch import InputBatch
-from hitchllm.engine.sampler import Sampler
+from hitchllm.engine.sampler import Sampler, SamplerOutput
 from hitchllm.engine.sampling_metadata import build_sampling_metadata
 from hitchllm.outputs import Logprob
+from hitchllm.request import Request
 from hitchllm.scheduler.scheduler import SchedulerOutput
 
 
 @dataclass
 class RunnerOutput:
-    """Sampled tokens per request id (and, when asked, each token's logprobs)."""
+    """Tokens emitted per request id this step (more than one when drafts were accepted),
+    and, when asked, one logprobs entry per emitted token."""
 
     sampled: dict[str, list[int]] = field(default_factory=dict)
-    logprobs: dict[str, dict[int, Logprob]] = field(default_factory=dict)
+    logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -45,9 +49,11 @@ class ModelRunner:
         vocab_size: int,
         device: torch.device,
         seed: int,
+        before_forward: Callable[..., Any] | None = None,
     ) -> None:
         self.model = model
         self.device = device
+        self.before_forward = before_forward
         self.block_size = spec.block_size
         self.vocab_size = vocab_size
         max_blocks_per_req = -(-max_model_len // spec.block_size)
@@ -98,16 +104,23 @@ class ModelRunner:
         )
         common, input_ids, positions = self._prepare_inputs(rows, num_sched, num_computed)
         attn_metadata = self.builder.build(common)
+        if self.before_forward is not None:
+            self.before_forward(requests=requests, num_scheduled_tokens=sched.num_scheduled_tokens)
         with set_forward_context(attn_metadata):
             hidden = self.model(input_ids, positions)
 
         sample_rows = [i for i, s in enumerate(sched.samples) if s]
         if not sample_rows:
             return RunnerOutput()
-        ends = common.query_start_loc_cpu[1:].numpy()
-        logits_idx = torch.from_numpy(ends[sample_rows] - 1).to(self.device)
-        logits = self.model.compute_logits(hidden[logits_idx])
         sampling_requests = [requests[i] for i in sample_rows]
+        # Each sampling row needs logits at its last token, plus one per draft token before it.
+        ends = common.query_start_loc_cpu[1:].numpy()[sample_rows]
+        counts = np.fromiter((len(r.spec_token_ids) + 1 for r in sampling_requests),
+                             dtype=np.int64, count=len(sampling_requests))
+        first = np.repeat(ends - counts, counts)
+        within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        logits_idx = self._to_device(torch.from_numpy(first + within))
+        logits = self.model.compute_logits(hidden[logits_idx])
         return self._sample(sampling_requests, logits)
 
     def _prepare_inputs(
@@ -157,36 +170,66 @@ class ModelRunner:
             return t
         return t.pin_memory().to(self.device, non_blocking=True)
 
-    def _sample(self, requests: list, logits: torch.Tensor) -> RunnerOutput:
+    def _sample(self, requests: list[Request], logits: torch.Tensor) -> RunnerOutput:
+        """Sample one token per logits row and verify speculative drafts.
+
+        A request with drafts ``d_0..d_{k-1}`` has ``k + 1`` logits rows (one per draft
+        position plus the bonus position); row ``j`` is sampled as if ``d_0..d_{j-1}`` were
+        already output. Walking the rows, the sampled token is emitted and the walk goes on only
+        while it equals the draft. This is exact rejection sampling for drafts given as tokens:
+        a draft is accepted with probability ``p_j(d_j)``, and on rejection the emitted token is
+        distributed as ``p_j`` without ``d_j``.
+        """
+        rows: list[tuple[Request, int]] = [
+            (r, j) for r in requests for j in range(len(r.spec_token_ids) + 1)
+        ]
         metadata = build_sampling_metadata(
-            params=[r.sampling_params for r in requests],
-            prompt_token_ids=[r.prompt_token_ids for r in requests],
-            output_token_ids=[r.output_token_ids for r in requests],
-            eos_token_ids=[r.eos_token_id for r in requests],
-            generators=[self._generator_for(r) for r in requests],
+            params=[r.sampling_params for r, _ in rows],
+            prompt_token_ids=[r.prompt_token_ids for r, _ in rows],
+            output_token_ids=[r.output_token_ids + r.spec_token_ids[:j] for r, j in rows],
+            eos_token_ids=[r.eos_token_id for r, _ in rows],
+            generators=[self._generator_for(r) for r, _ in rows],
             default_generator=self.default_generator,
             vocab_size=self.vocab_size,
             device=self.device,
         )
         result = self.sampler(logits, metadata)
         # The step's one device-to-host sync: the tokens (and logprobs) go back to the host.
-        tokens = result.sampled_token_ids.tolist()
-        out = RunnerOutput(sampled={r.request_id: [t] for r, t in zip(requests, tokens)})
-        if result.logprobs is not None:
-            ids = result.logprobs.token_ids.tolist()
-            lps = result.logprobs.logprobs.tolist()
-            ranks = result.logprobs.ranks.tolist()
-            for i, r in enumerate(requests):
-                k = r.sampling_params.logprobs
-                if k is None:
-                    continue
-                entry = {ids[i][0]: Logprob(lps[i][0], ranks[i])}
-                for j in range(1, k + 1):
-                    entry.setdefault(ids[i][j], Logprob(lps[i][j], j))
-                out.logprobs[r.request_id] = entry
+        sampled = result.sampled_token_ids.tolist()
+        entries = self._logprob_entries(rows, result) if result.logprobs is not None else None
+        out = RunnerOutput()
+        i = 0
+        for r in requests:
+            drafts = r.spec_token_ids
+            tokens = []
+            for j in range(len(drafts) + 1):
+                tokens.append(sampled[i + j])
+                if j == len(drafts) or sampled[i + j] != drafts[j]:
+                    break
+            out.sampled[r.request_id] = tokens
+            if entries is not None and r.sampling_params.logprobs is not None:
+                out.logprobs[r.request_id] = entries[i : i + len(tokens)]
+            i += len(drafts) + 1
         return out
 
-    def _generator_for(self, request) -> torch.Generator | None:
+    @staticmethod
+    def _logprob_entries(
+        rows: list[tuple[Request, int]], result: SamplerOutput
+    ) -> list[dict[int, Logprob]]:
+        assert result.logprobs is not None
+        ids = result.logprobs.token_ids.tolist()
+        lps = result.logprobs.logprobs.tolist()
+        ranks = result.logprobs.ranks.tolist()
+        entries = []
+        for i, (r, _) in enumerate(rows):
+            k = r.sampling_params.logprobs or 0
+            entry = {ids[i][0]: Logprob(lps[i][0], ranks[i])}
+            for j in range(1, k + 1):
+                entry.setdefault(ids[i][j], Logprob(lps[i][j], j))
+            entries.append(entry)
+        return entries
+
+    def _generator_for(self, request: Request) -> torch.Generator | None:
         seed = request.sampling_params.seed
         if seed is None:
             return None

@@ -22,6 +22,7 @@ class SequenceState:
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_tokens_seen: int = 0
 
 
 @dataclass
@@ -71,8 +72,7 @@ class OutputProcessor:
     def process(
         self,
         updated: list[Request],
-        new_tokens: dict[str, list[int]],
-        logprobs: dict[str, dict[int, Logprob]],
+        logprobs: dict[str, list[dict[int, Logprob]]],
     ) -> tuple[list[RequestOutput], list[str]]:
         """Fold one step's tokens in. Returns the outputs of parents that changed, and the ids
         of child requests a stop string has just finished (the engine stops them)."""
@@ -84,9 +84,12 @@ class OutputProcessor:
             seq = parent.sequences[index]
             if parent.first_token_time is None:
                 parent.first_token_time = now
-            tokens = new_tokens.get(request.request_id, [])
+            # The request may have kept fewer tokens than were emitted (a stop condition in
+            # the middle of accepted drafts), so read them back from the request.
+            tokens = request.output_token_ids[seq.num_tokens_seen :]
+            seq.num_tokens_seen += len(tokens)
             if seq.logprobs is not None and request.request_id in logprobs:
-                seq.logprobs.append(logprobs[request.request_id])
+                seq.logprobs.extend(logprobs[request.request_id][: len(tokens)])
             if seq.detokenizer is not None and seq.detokenizer.add_tokens(tokens):
                 seq.finish_reason, seq.stop_reason = "stop", seq.detokenizer.stop_reason
                 if not request.finished:

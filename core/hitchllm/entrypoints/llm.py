@@ -37,11 +37,13 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; results come back in input order.
 
         A prompt is a string or ``{"prompt_token_ids": [...]}``. ``sampling_params`` is one
-        ``SamplingParams`` for all prompts or one per prompt. If any prompt is invalid, a
+        ``SamplingParams`` for all prompts or one per prompt. ``lora_request`` (one for all
+        prompts, or a list) is passed to the LoRA plugin. If any prompt is invalid, a
         ``ValueError`` is raised and none of the prompts is left queued.
         """
         if isinstance(prompts, (str, dict)):
@@ -56,10 +58,11 @@ class LLM:
                     f"got {len(params)} sampling params for {len(prompts)} prompts; pass one "
                     "SamplingParams or one per prompt"
                 )
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
         ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, params):
-                ids.append(self.engine.add_request(prompt, p))
+            for prompt, p, lora in zip(prompts, params, loras):
+                ids.append(self.engine.add_request(prompt, p, lora_request=lora))
         except Exception:
             self.engine.abort_request(ids)
             raise

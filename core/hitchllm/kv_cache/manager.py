@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from hitchllm.kv_cache.block_pool import BlockPool, KVCacheBlock
 from hitchllm.kv_cache.hashing import BlockHash, hash_block_tokens
@@ -23,7 +23,7 @@ class KVCacheManager:
         num_blocks: int,
         block_size: int,
         enable_prefix_caching: bool = True,
-        extra_keys_fn: Callable[[Request], tuple] | None = None,
+        extra_keys_fn: Callable[[Request], Sequence[object] | None] | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -62,9 +62,11 @@ class KVCacheManager:
         num_full = request.num_tokens // self.block_size
         if len(hashes) == num_full:
             return hashes
-        every_block = (request.lora_name,)
+        every_block: tuple = (request.lora_name,)
         if self.extra_keys_fn is not None:
-            every_block += (self.extra_keys_fn(request),)
+            # Plugin hooks hand back lists or None; normalize so equal keys hash equally.
+            hook_keys = self.extra_keys_fn(request)
+            every_block += (() if hook_keys is None else tuple(hook_keys),)
         # With caching on, equal content may be shared by anyone, share key or not; with it off
         # the share key is what confines sharing to one group of sibling requests.
         share_key = None if self.enable_prefix_caching else request.prefix_share_key

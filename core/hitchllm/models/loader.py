@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -43,10 +44,33 @@ def iterate_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def quantization_method(
+    config: ModelConfig, registry: PluginRegistry, requested: str | None
+) -> type[Any] | None:
+    """The quantization class for ``requested`` (or the checkpoint's own ``quant_method``)."""
+    name = requested or (config.hf_config.get("quantization_config") or {}).get("quant_method")
+    if name is None:
+        return None
+    methods: dict[str, type[Any]] = {}
+    for result in reversed(registry.hook.hitchllm_quantization_methods()):
+        methods.update(result or {})
+    if name not in methods:
+        raise ValueError(
+            f"quantization method {name!r} is not provided by any installed plugin; installed: "
+            f"{', '.join(sorted(methods)) or 'none'} (pip install hitchllm-quantization)"
+        )
+    return methods[name]
+
+
 def load_model(
-    config: ModelConfig, registry: PluginRegistry, device: torch.device, dtype: torch.dtype
+    config: ModelConfig,
+    registry: PluginRegistry,
+    device: torch.device,
+    dtype: torch.dtype,
+    quantization: str | None = None,
 ) -> nn.Module:
-    """Construct the architecture's model on ``device`` in ``dtype`` and load its weights."""
+    """Construct the architecture's model on ``device`` in ``dtype``, let a quantization method
+    rewrite its layers, and load its weights."""
     archs = model_architectures(registry)
     cls = archs.get(config.architecture)
     if cls is None:
@@ -54,11 +78,14 @@ def load_model(
             f"architecture {config.architecture!r} is not supported by any installed plugin; "
             f"supported: {', '.join(sorted(archs))}"
         )
+    quant_cls = quantization_method(config, registry, quantization)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
             model = cls(config)
+            if quant_cls is not None:
+                quant_cls(config).process_model(model)
     finally:
         torch.set_default_dtype(previous)
     model.load_weights(iterate_weights(config.path))

@@ -122,10 +122,10 @@ class Scheduler:
             if num_new == 0:
                 index += 1
                 continue
-            lookahead = len(request.spec_token_ids)
-            while not self.kv_cache.allocate_slots(
-                request, num_new, num_lookahead_tokens=lookahead
-            ):
+            # Drafts that do not fit this step's budget are dropped, not split across steps.
+            num_known = request.num_tokens - request.num_computed_tokens
+            del request.spec_token_ids[max(0, num_new - num_known):]
+            while not self.kv_cache.allocate_slots(request, num_new):
                 victim = self.config.policy.pick_victim(self.running)
                 budget += scheduled.pop(victim, 0)
                 self._preempt(victim)

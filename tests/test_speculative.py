@@ -1,0 +1,119 @@
+"""Speculative decoding through the proposer hook: drafts never change what is generated."""
+
+from __future__ import annotations
+
+import pytest
+from fake_dists import install_fake_plugin
+from test_models_hf_parity import greedy, mixed_prompts, run
+
+from hitchllm import LLM, SamplingParams
+
+PROPOSERS = """
+from hitchllm import hookimpl
+
+# Set by the test: request prompt (tuple) -> the full greedy continuation.
+ORACLE = {}
+STATS = {"proposed": 0}
+
+
+class Oracle:
+    '''Proposes the true greedy continuation: every draft should be accepted.'''
+
+    def __init__(self, engine_config):
+        self.k = engine_config.num_speculative_tokens
+
+    def propose(self, requests):
+        drafts = {}
+        for r in requests:
+            full = ORACLE[tuple(r.prompt_token_ids)]
+            n = r.num_output_tokens
+            drafts[r.request_id] = full[n:n + self.k]
+            STATS["proposed"] += len(drafts[r.request_id])
+        return drafts
+
+
+class Wrong:
+    '''Proposes tokens the model never picks first: every draft should be rejected.'''
+
+    def __init__(self, engine_config):
+        self.k = engine_config.num_speculative_tokens
+
+    def propose(self, requests):
+        return {r.request_id: [(r.all_token_ids[-1] + 1 + i) % 500 for i in range(self.k)]
+                for r in requests}
+
+
+class Repeat:
+    '''n-gram style: repeat the last token; sometimes right, sometimes wrong.'''
+
+    def __init__(self, engine_config):
+        self.k = engine_config.num_speculative_tokens
+
+    def propose(self, requests):
+        return {r.request_id: [r.all_token_ids[-1]] * self.k for r in requests}
+
+
+@hookimpl
+def hitchllm_speculative_proposers():
+    return {"oracle": Oracle, "wrong": Wrong, "repeat": Repeat}
+"""
+
+
+@pytest.fixture
+def proposers(tmp_path, monkeypatch):
+    install_fake_plugin(tmp_path / "site", monkeypatch, "hitchllm-fake-specdec", "0.1",
+                        "fake_specdec_plugin", PROPOSERS)
+    import fake_specdec_plugin
+
+    return fake_specdec_plugin
+
+
+@pytest.mark.parametrize("method", ["oracle", "wrong", "repeat"])
+def test_greedy_output_is_unchanged_by_drafts(tiny_models, proposers, method):
+    path = tiny_models["LlamaForCausalLM"]
+    prompts = mixed_prompts(11, lengths=(3, 17, 30))
+    baseline = run(LLM(path, block_size=4), prompts)
+    proposers.ORACLE.update({tuple(p): out for p, out in zip(prompts, baseline)})
+    llm = LLM(path, block_size=4, speculative_method=method, num_speculative_tokens=3)
+    steps = 0
+    for p in prompts:
+        llm.engine.add_request({"prompt_token_ids": p}, greedy())
+    outs = {}
+    while llm.engine.has_unfinished_requests():
+        steps += 1
+        for o in llm.engine.step():
+            if o.finished:
+                outs[o.request_id] = o.outputs[0].token_ids
+    assert [outs[k] for k in sorted(outs, key=int)] == baseline
+    if method == "oracle":
+        # 16 tokens: one from prefill, then 4 per step (3 accepted drafts + 1 bonus).
+        assert steps <= 1 + 4 + 1
+    assert llm.engine.kv_cache.usage == 0.0
+
+
+def test_seeded_sampling_with_drafts_is_reproducible(tiny_models, proposers):
+    path = tiny_models["LlamaForCausalLM"]
+    llm = LLM(path, block_size=4, speculative_method="repeat", num_speculative_tokens=2)
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=12, logprobs=1)
+    a = llm.generate(["spec"], params, use_tqdm=False)[0].outputs[0]
+    b = llm.generate(["spec"], params, use_tqdm=False)[0].outputs[0]
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 12
+    assert len(a.logprobs) == 12 and all(t in e for t, e in zip(a.token_ids, a.logprobs))
+
+
+def test_drafts_respect_stop_tokens(tiny_models, proposers):
+    path = tiny_models["LlamaForCausalLM"]
+    base = LLM(path).generate(["q"], greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    stop = base[5]
+    proposers.ORACLE[tuple(LLM(path).get_tokenizer()("q").input_ids)] = base
+    llm = LLM(path, speculative_method="oracle", num_speculative_tokens=4)
+    params = SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[stop])
+    out = llm.generate(["q"], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == base[: base.index(stop) + 1]
+
+
+def test_unknown_speculative_method_is_explained(llama_path):
+    with pytest.raises(ValueError, match="'medusa'.*hitchllm-specdec"):
+        LLM(llama_path, speculative_method="medusa", num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLM(llama_path, speculative_method="ngram")
