@@ -136,3 +136,17 @@ def test_abort_frees_blocks_at_once(tiny_models):
             done = out
     assert done.finished and len(done.outputs[0].token_ids) == 50
     assert engine.kv_cache.usage == 0.0
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_blocks_shared_within_one_step_hold_the_right_values(tiny_models, caching):
+    """n > 1 children are admitted in the same step: the later ones attend over blocks the
+    first one writes in that very forward pass. Greedy children must all equal the reference."""
+    path = tiny_models[ARCH]
+    prompt = mixed_prompts(12, lengths=(27,))[0]
+    expected = hf_greedy(path, [prompt], MAX_NEW)[0]
+    llm = LLM(path, block_size=4, enable_prefix_caching=caching)
+    params = SamplingParams(n=3, temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    assert [c.token_ids for c in out.outputs] == [expected] * 3
+    assert llm.engine.stats().prefix_cache_hits == 2 * 24

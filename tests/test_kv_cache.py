@@ -7,13 +7,9 @@ import subprocess
 import sys
 from collections import Counter
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
-from hitchllm.kv_cache.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
-from hitchllm.kv_cache.hashing import hash_block_tokens
-from hitchllm.kv_cache.manager import KVCacheManager
-from hitchllm.request import Request
-from hitchllm.sampling_params import SamplingParams
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -23,6 +19,12 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+
+from hitchllm.kv_cache.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
+from hitchllm.kv_cache.hashing import hash_block_tokens
+from hitchllm.kv_cache.manager import KVCacheManager
+from hitchllm.request import Request
+from hitchllm.sampling_params import SamplingParams
 
 
 def make_request(
@@ -39,7 +41,8 @@ def make_request(
         sampling_params=SamplingParams(),
         cache_salt=cache_salt,
         prefix_share_key=prefix_share_key,
-        lora_name=lora_name,
+        # Request reads the adapter name off whatever the caller passed as lora_request.
+        lora_request=None if lora_name is None else SimpleNamespace(lora_name=lora_name),
     )
 
 
@@ -244,6 +247,14 @@ def test_hit_on_freed_cached_blocks_takes_them_off_the_free_queue() -> None:
     assert manager.num_free_blocks == 8 - 4
 
 
+def test_hit_requires_the_whole_prefix_not_just_the_block() -> None:
+    """A block with equal tokens after a different earlier block is not a hit (hashes chain)."""
+    manager = KVCacheManager(num_blocks=16, block_size=BS)
+    admit(manager, make_request("a", [*range(4), *range(10, 14), 0]))
+    admit(manager, make_request("b", [*range(20, 24), *range(30, 34), 0]))
+    assert admit(manager, make_request("c", [*range(4), *range(30, 34), 0])) == 4
+
+
 def test_no_hit_with_prefix_caching_off() -> None:
     """With caching off and no share key, identical prompts get distinct blocks."""
     manager = KVCacheManager(num_blocks=16, block_size=BS, enable_prefix_caching=False)
@@ -279,10 +290,10 @@ def test_different_salt_or_adapter_prevents_sharing(first: dict, second: dict) -
     assert admit(manager, make_request("c", list(range(13)), **first)) == 12
 
 
-def test_extra_keys_fn_goes_into_every_block() -> None:
-    """A hook key that differs only in later blocks still stops the hit at the first block."""
+def test_extra_keys_fn_result_enters_the_hash() -> None:
+    """Hook keys (a list, as a plugin hook returns) decide sharing: equal share, unequal don't."""
     manager = KVCacheManager(
-        num_blocks=16, block_size=BS, extra_keys_fn=lambda r: (r.request_id[0],)
+        num_blocks=16, block_size=BS, extra_keys_fn=lambda r: [r.request_id[0], None]
     )
     admit(manager, make_request("a1", list(range(13))))
     assert admit(manager, make_request("b1", list(range(13)))) == 0

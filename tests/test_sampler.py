@@ -18,6 +18,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
+
 from hitchllm.engine.sampler import Sampler, apply_penalties
 from hitchllm.engine.sampling_metadata import SamplingMetadata, build_sampling_metadata
 from hitchllm.sampling_params import SamplingParams
