@@ -158,3 +158,38 @@ def test_model_architecture_from_a_plugin(tmp_path, monkeypatch, llama_path):
     (model / "config.json").write_text(json.dumps(cfg))
     llm = LLM(str(model))
     assert type(llm.engine.runner.model).__name__ == "RenamedLlama"
+
+
+def test_misspelled_hook_rejects_the_plugin(tmp_path, monkeypatch):
+    install_fake_plugin(tmp_path / "site", monkeypatch, "hitchllm-typo", "0.2", "typo_plugin", """
+        from hitchllm import hookimpl
+
+
+        @hookimpl
+        def hitchllm_attention_backend():
+            return []
+        """)
+    registry = get_plugin_registry()
+    [failed] = registry.failed
+    assert failed.distribution == "hitchllm-typo"
+    assert "hitchllm_attention_backend" in failed.error
+
+
+def test_plugin_registered_last_wins_a_name_clash(tmp_path, monkeypatch):
+    install_fake_plugin(tmp_path / "site", monkeypatch, "hitchllm-torch2", "0.3", "torch2_plugin",
+                        """
+        from hitchllm import hookimpl
+        from hitchllm.attention import TorchAttentionBackend
+
+
+        class Replacement(TorchAttentionBackend):
+            name = "TORCH"
+            priority = 1
+
+
+        @hookimpl
+        def hitchllm_attention_backends():
+            return [Replacement]
+        """)
+    chosen = select_attention_backend(SPEC)
+    assert chosen.__name__ == "Replacement"

@@ -11,7 +11,7 @@ through these same hooks, so built-ins and third-party plugins are treated alike
 
 Hooks are grouped by the engine's lifecycle:
 
-1. Discovery (once per process, when the engine is built): what a plugin provides.
+1. Discovery (when an engine is built or backends are listed): what a plugin provides.
 2. Model load (once per engine): after the weights are in place.
 3. Per request: identity that must enter prefix-cache keys.
 """
@@ -41,7 +41,8 @@ hookspec = pluggy.HookspecMarker("hitchllm")
 def hitchllm_attention_backends() -> list[type[AttentionBackend]]:
     """Return the attention backend classes this plugin provides.
 
-    Called once per process when the attention selector is first used. Return a list of
+    Called whenever backends are ranked (at engine start-up, by ``hitchllm backends``); it may
+    be called more than once and should return the same list each time. Return a list of
     ``hitchllm.attention.AttentionBackend`` subclasses (classes, not instances). Importing
     heavy kernel libraries should happen lazily (in ``validate`` or the impl), so that a
     machine without them can still list the backend and say why it is not valid.

@@ -85,6 +85,7 @@ class PluginRegistry:
             try:
                 plugin = ep.load()
                 self.pm.register(plugin, name=ep.name)
+                self._check_hook_names(ep.name, plugin)
             except Exception as exc:  # a broken plugin is reported, never fatal
                 err = f"{type(exc).__name__}: {exc}"
                 self.failed.append(PluginInfo(ep.name, dist, version, err))
@@ -94,6 +95,15 @@ class PluginRegistry:
                 )
                 continue
             self.loaded[ep.name] = PluginInfo(ep.name, dist, version)
+
+
+    def _check_hook_names(self, name: str, plugin: object) -> None:
+        """A misspelled hook would otherwise be silently never called: reject the plugin."""
+        try:
+            self.pm.check_pending()
+        except pluggy.PluginValidationError:
+            self.pm.unregister(plugin, name=name)
+            raise
 
 
 def _allow_list() -> set[str] | None:

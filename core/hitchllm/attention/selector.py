@@ -49,7 +49,9 @@ def discover_backends(registry: PluginRegistry | None = None) -> list[tuple[type
     """
     registry = registry or get_plugin_registry()
     found: dict[str, tuple[type, PluginInfo]] = {}
-    for impl in registry.pm.hook.hitchllm_attention_backends.get_hookimpls():
+    # get_hookimpls() lists in registration order; walk it backwards so that, like pluggy's
+    # own call order, the plugin registered last is seen (and kept) first.
+    for impl in reversed(registry.pm.hook.hitchllm_attention_backends.get_hookimpls()):
         info = registry.info_for(impl.plugin)
         try:
             backends = impl.function() or []

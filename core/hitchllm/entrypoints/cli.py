@@ -1,4 +1,5 @@
-"""The ``hitchllm`` command: ``generate``, ``chat``, ``backends``, ``tiny-model``."""
+"""The ``hitchllm`` command: ``generate``, ``chat``, ``serve``, ``bench``, ``backends``,
+``tiny-model``."""
 
 from __future__ import annotations
 
@@ -113,6 +114,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
         print(reply, flush=True)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from hitchllm.config import EngineConfig
+    from hitchllm.entrypoints.openai.api_server import serve
+
+    serve(
+        EngineConfig(model=args.model, **engine_kwargs(args)),
+        host=args.host, port=args.port, served_model_name=args.served_model_name,
+        api_key=args.api_key, chat_template=args.chat_template,
+    )
+    return 0
+
+
 def cmd_backends(args: argparse.Namespace) -> int:
     return print_backends(args.model, args.device, args.dtype, args.block_size)
 
@@ -140,6 +153,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(p)
     p.add_argument("--system", help="system message")
     p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", nargs="+", help="model name(s) clients use")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--chat-template", help="Jinja chat template file (overrides the model's)")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("backends", help="list attention backends and which one auto mode picks")
     p.add_argument("--model", help="checkpoint directory (default: a typical 8B-like shape)")

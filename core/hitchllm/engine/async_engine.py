@@ -1,0 +1,163 @@
+"""An asyncio front for ``LLMEngine``: the engine steps in its own thread; request handlers
+await per-request output queues and never block it.
+
+Only the engine thread touches the ``LLMEngine``. Handlers send it commands (add, abort)
+through a thread-safe queue; it answers through ``loop.call_soon_threadsafe``. A handler that
+stops listening (a client disconnected) aborts its request, which frees its KV blocks at the
+start of the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from hitchllm.engine.llm_engine import LLMEngine, Prompt
+from hitchllm.outputs import RequestOutput
+from hitchllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped after an unexpected error; the server must be restarted."""
+
+
+@dataclass
+class _Add:
+    prompt: Prompt
+    params: SamplingParams
+    request_id: str
+    kwargs: dict[str, Any]
+    stream: _RequestStream
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _RequestStream:
+    """Where the engine thread delivers one request's outputs (or an exception)."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+StepObserver = Callable[[LLMEngine, list[RequestOutput], float], None]
+
+
+class AsyncLLMEngine:
+    """Runs an ``LLMEngine`` in a background thread and serves ``generate`` to asyncio code."""
+
+    def __init__(self, engine: LLMEngine, on_step: StepObserver | None = None) -> None:
+        self.engine = engine
+        self.on_step = on_step
+        self._commands: queue.Queue[_Add | _Abort | None] = queue.Queue()
+        self._streams: dict[str, _RequestStream] = {}
+        self._ids = itertools.count()
+        self._dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="hitchllm-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    async def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's output each time it makes progress, the last one finished.
+
+        Raises ``ValueError`` (before yielding) for a request the engine rejects. If the caller
+        stops iterating early (or is cancelled), the request is aborted.
+        """
+        if self._dead is not None:
+            raise EngineDeadError("the engine stopped") from self._dead
+        request_id = request_id or f"req-{next(self._ids)}"
+        stream = _RequestStream(asyncio.get_running_loop())
+        self._commands.put(_Add(prompt, params, request_id, kwargs, stream))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._commands.put(_Abort(request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    def shutdown(self) -> None:
+        self._commands.put(None)
+        self._thread.join(timeout=30)
+
+    # ---- the engine thread -------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                outputs: list[RequestOutput] = []
+                block = not self.engine.has_unfinished_requests()
+                if not self._drain_commands(block, outputs):
+                    return
+                if self.engine.has_unfinished_requests():
+                    stepped = self.engine.step()
+                    for out in stepped:
+                        stream = self._streams.get(out.request_id)
+                        if stream is not None:
+                            stream.put(out)
+                            if out.finished:
+                                del self._streams[out.request_id]
+                    outputs += stepped
+                if self.on_step is not None:
+                    self.on_step(self.engine, outputs, time.monotonic())
+        except BaseException as exc:  # the loop must tell every waiter, never die silently
+            logger.exception("engine loop failed")
+            self._dead = exc
+            for stream in self._streams.values():
+                stream.put(EngineDeadError(f"engine loop failed: {exc}"))
+            self._streams.clear()
+
+    def _drain_commands(self, block: bool, aborted: list[RequestOutput]) -> bool:
+        """Apply pending commands (final outputs of aborted requests go to ``aborted``); wait
+        for one when idle. False means shut down."""
+        while True:
+            try:
+                cmd = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if cmd is None:
+                return False
+            if isinstance(cmd, _Abort):
+                if self._streams.pop(cmd.request_id, None) is not None:
+                    aborted += self.engine.abort_request(cmd.request_id)
+                continue
+            try:
+                self.engine.add_request(cmd.prompt, cmd.params, cmd.request_id, **cmd.kwargs)
+            except (ValueError, TypeError) as exc:
+                cmd.stream.put(exc)
+                continue
+            self._streams[cmd.request_id] = cmd.stream

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server (``hitchllm serve``); needs ``pip install hitchllm[serve]``."""

@@ -1,0 +1,49 @@
+"""``hitchllm serve``: build the engine, wrap it for asyncio, serve it with uvicorn."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from hitchllm.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+def serve(
+    engine_config: EngineConfig,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    served_model_name: list[str] | None = None,
+    api_key: str | None = None,
+    chat_template: str | None = None,
+) -> None:
+    """Start the engine and serve it until interrupted. Binds 127.0.0.1 unless told otherwise."""
+    try:
+        import uvicorn
+        from transformers import AutoTokenizer
+
+        from hitchllm.engine.async_engine import AsyncLLMEngine
+        from hitchllm.engine.llm_engine import LLMEngine
+        from hitchllm.entrypoints.openai.metrics import ServerMetrics
+        from hitchllm.entrypoints.openai.server import build_app
+    except ImportError as exc:
+        raise SystemExit(
+            f"the server needs extra packages ({exc.name} is missing): "
+            "pip install 'hitchllm[serve]'"
+        ) from exc
+
+    template = Path(chat_template).read_text() if chat_template else None
+    names = served_model_name or [engine_config.model]
+    engine = LLMEngine(engine_config)
+    metrics = ServerMetrics(names[0])
+    async_engine = AsyncLLMEngine(engine, on_step=metrics.observe)
+    tokenizer: Any = AutoTokenizer.from_pretrained(engine_config.tokenizer or engine_config.model)
+    app = build_app(async_engine, names, tokenizer, metrics, api_key, template)
+    if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        logger.warning("serving on %s without --api-key: anyone who can reach it can use it", host)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+    finally:
+        async_engine.shutdown()

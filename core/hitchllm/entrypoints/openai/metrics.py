@@ -1,0 +1,110 @@
+"""Prometheus metrics, named like vLLM's with the prefix ``hitchllm:``.
+
+Updated from the engine thread after every loop iteration (``observe``), read by ``/metrics``.
+Each server gets its own ``CollectorRegistry`` so several engines in one process (tests) do
+not collide.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from hitchllm.engine.llm_engine import LLMEngine
+from hitchllm.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+@dataclass
+class _RequestTiming:
+    last_time: float
+    num_tokens: int
+
+
+class ServerMetrics:
+    """The server's metric families and the bookkeeping that feeds them."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"hitchllm:{name}", doc, labels, registry=self.registry)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"hitchllm:{name}", doc, labels + list(extra), registry=self.registry)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(f"hitchllm:{name}", doc, labels, buckets=_LATENCY_BUCKETS,
+                             registry=self.registry)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests started.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.preemptions = counter("num_preemptions", "Requests preempted (by recompute).")
+        self.prefix_queries = counter("prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.request_success = counter("request_success", "Requests finished, by reason.",
+                                       ("finished_reason",))
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
+        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.")
+        self.e2e = histogram("e2e_request_latency_seconds", "Request latency, arrival to finish.")
+        self._model = model_name
+        # Create every label child now so each metric is exported (as 0) from the start.
+        for metric in (self.running, self.waiting, self.kv_usage, self.prompt_tokens,
+                       self.generation_tokens, self.preemptions, self.prefix_queries,
+                       self.prefix_hits, self.ttft, self.itl, self.e2e):
+            metric.labels(model_name)
+        self._timing: dict[str, _RequestTiming] = {}
+        self._last_totals = (0, 0, 0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def observe(self, engine: LLMEngine, outputs: list[RequestOutput], now: float) -> None:
+        """Fold one engine-loop iteration in (called from the engine thread)."""
+        m = self._model
+        stats = engine.stats()
+        self.running.labels(m).set(stats.num_running)
+        self.waiting.labels(m).set(stats.num_waiting)
+        self.kv_usage.labels(m).set(stats.kv_cache_usage)
+        totals = (stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits)
+        for metric, new, old in zip(
+            (self.preemptions, self.prefix_queries, self.prefix_hits), totals, self._last_totals
+        ):
+            if new > old:
+                metric.labels(m).inc(new - old)
+        self._last_totals = totals
+        for out in outputs:
+            self._observe_request(out, now)
+
+    def _observe_request(self, out: RequestOutput, now: float) -> None:
+        m = self._model
+        num_tokens = sum(len(c.token_ids) for c in out.outputs)
+        timing = self._timing.get(out.request_id)
+        if timing is None:
+            self.prompt_tokens.labels(m).inc(len(out.prompt_token_ids))
+            first = out.metrics.get("first_token_time")
+            if first is not None and num_tokens:
+                self.ttft.labels(m).observe(first - out.metrics["arrival_time"])
+            timing = _RequestTiming(now, 0)
+            self._timing[out.request_id] = timing
+        elif num_tokens > timing.num_tokens:
+            gap = (now - timing.last_time) / (num_tokens - timing.num_tokens)
+            for _ in range(num_tokens - timing.num_tokens):
+                self.itl.labels(m).observe(gap)
+        if num_tokens > timing.num_tokens:
+            self.generation_tokens.labels(m).inc(num_tokens - timing.num_tokens)
+            timing.num_tokens = num_tokens
+            timing.last_time = now
+        if out.finished:
+            self.e2e.labels(m).observe(now - out.metrics["arrival_time"])
+            reason = out.outputs[0].finish_reason if out.outputs else "abort"
+            self.request_success.labels(m, reason or "abort").inc()
+            del self._timing[out.request_id]

@@ -1,0 +1,162 @@
+"""Request bodies of the OpenAI-compatible API, validated with pydantic, and their mapping to
+``SamplingParams``. Unknown fields are ignored (as OpenAI-compatible servers commonly do);
+known OpenAI fields hitchllm does not implement are rejected with a 400 naming them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from hitchllm.sampling_params import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by completions and chat completions (OpenAI's plus vLLM's extras)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extra body fields
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def unsupported(self) -> list[str]:
+        """Fields set to something this server does not implement."""
+        bad = []
+        if self.logit_bias:
+            bad.append("logit_bias")
+        return bad
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """The engine's parameters; raises ``ValueError`` for out-of-range values."""
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> list[str]:
+        bad = super().unsupported()
+        if self.echo:
+            bad.append("echo")
+        if self.best_of is not None and self.best_of != self.n:
+            bad.append("best_of")
+        if self.suffix:
+            bad.append("suffix")
+        return bad
+
+    def prompts(self) -> list[str | dict[str, Any]]:
+        """The batch of prompts: strings or token-id lists, as the engine takes them."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise ValueError("prompt must not be empty")
+        if all(isinstance(x, int) for x in p):
+            return [{"prompt_token_ids": p}]
+        if all(isinstance(x, str) for x in p):
+            return list(p)
+        return [{"prompt_token_ids": ids} for ids in p]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def as_template_input(self) -> dict[str, Any]:
+        """The message as chat templates expect it, with text parts joined."""
+        content = self.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") != "text":
+                    raise ValueError(
+                        f"message content part of type {part.get('type')!r} is not supported; "
+                        "only text parts are"
+                    )
+                texts.append(part.get("text", ""))
+            content = "".join(texts)
+        return {**(self.model_extra or {}), "role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    add_generation_prompt: bool = True
+
+    def unsupported(self) -> list[str]:
+        bad = super().unsupported()
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                bad.append(name)
+        if self.tool_choice not in (None, "none"):
+            bad.append("tool_choice")
+        if self.response_format and self.response_format.get("type") != "text":
+            bad.append("response_format")
+        return bad
+
+    def num_logprobs(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise ValueError("top_logprobs needs logprobs=true")
+            return None
+        return self.top_logprobs or 0
+

@@ -1,0 +1,264 @@
+"""The two generation endpoints: ``/v1/completions`` and ``/v1/chat/completions``.
+
+Each request becomes one engine request per prompt (``n`` sequences each). Non-streaming
+responses wait for every prompt; streaming ones send OpenAI's SSE chunks as text arrives and
+end with ``data: [DONE]``. Engine-side validation errors surface before the first byte is sent,
+so a bad request always gets a 400.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from hitchllm.engine.async_engine import AsyncLLMEngine
+from hitchllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from hitchllm.entrypoints.openai.streaming import merge, sse, stream_safe_length
+from hitchllm.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+@dataclass
+class _SeqCursor:
+    """How much of one sequence has been streamed."""
+
+    text_len: int = 0
+    num_tokens: int = 0
+    finished: bool = False
+
+
+@dataclass
+class _Batch:
+    """The engine requests behind one API request. Outputs are cumulative (each carries the
+    whole text so far), so only the latest one per prompt matters."""
+
+    latest: list[RequestOutput]
+    rest: AsyncIterator[tuple[int, RequestOutput]]
+    cursors: dict[tuple[int, int], _SeqCursor] = field(default_factory=dict)
+
+
+class OpenAIServing:
+    """Turns API requests into engine requests and engine outputs into API responses."""
+
+    def __init__(
+        self, engine: AsyncLLMEngine, model_name: str, tokenizer: Any,
+        chat_template: str | None,
+    ) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        # A separate tokenizer instance: the engine thread uses its own concurrently.
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+
+    # ---- shared ------------------------------------------------------------------------
+
+    async def _start(self, prompts: list[Any], params: Any) -> _Batch:
+        """Submit every prompt and wait until each has produced output (raises ValueError if
+        the engine rejects any of them; the others are then aborted)."""
+        iterators = [self.engine.generate(p, params) for p in prompts]
+        merged = merge(iterators)
+        latest: dict[int, RequestOutput] = {}
+        try:
+            async for i, out in merged:
+                latest[i] = out
+                if len(latest) == len(prompts):
+                    break
+        except BaseException:
+            await merged.aclose()
+            raise
+        return _Batch([latest[i] for i in range(len(prompts))], merged)
+
+    async def _finish_all(self, batch: _Batch) -> list[RequestOutput]:
+        async for i, out in batch.rest:
+            batch.latest[i] = out
+        return batch.latest
+
+    @staticmethod
+    def _usage(outputs: list[RequestOutput]) -> dict[str, int]:
+        prompt = sum(len(o.prompt_token_ids) for o in outputs)
+        completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+    async def _stream_updates(
+        self, batch: _Batch, stop: list[str], n: int, with_logprobs: bool
+    ) -> AsyncIterator[tuple[int, CompletionOutput, str, list[int], list[Any], bool]]:
+        """(choice index, sequence, new text, new token ids, new logprobs, just finished)
+        for every sequence with something to send, in arrival order. Tokens that add no
+        text yet (part of a multi-byte character) are sent only when logprobs are wanted."""
+
+        async def all_outputs() -> AsyncIterator[tuple[int, RequestOutput]]:
+            for i, out in enumerate(batch.latest):
+                yield i, out
+            async for item in batch.rest:
+                yield item
+
+        async for i, out in all_outputs():
+            for seq in out.outputs:
+                cursor = batch.cursors.setdefault((i, seq.index), _SeqCursor())
+                if cursor.finished:
+                    continue
+                finished = seq.finish_reason is not None
+                safe = stream_safe_length(seq.text, stop, finished)
+                new_text = seq.text[cursor.text_len : max(safe, cursor.text_len)]
+                new_ids = seq.token_ids[cursor.num_tokens :]
+                new_lps = (seq.logprobs or [])[cursor.num_tokens :]
+                if not new_text and not finished and not (with_logprobs and new_ids):
+                    continue
+                cursor.text_len += len(new_text)
+                cursor.num_tokens = len(seq.token_ids)
+                cursor.finished = finished
+                yield i * n + seq.index, seq, new_text, new_ids, new_lps, finished
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    # ---- /v1/completions ---------------------------------------------------------------
+
+    async def completions(self, req: CompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
+        params = req.sampling_params(req.max_tokens, req.logprobs)
+        batch = await self._start(req.prompts(), params)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        if req.stream:
+            return self._stream_completions(req, batch, rid, created, params.stop_strings)
+        outputs = await self._finish_all(batch)
+        choices = []
+        for i, out in enumerate(outputs):
+            for seq in out.outputs:
+                choices.append({
+                    "index": i * req.n + seq.index,
+                    "text": seq.text,
+                    "logprobs": self._completion_logprobs(seq.token_ids, seq.logprobs or [], 0)
+                    if req.logprobs is not None else None,
+                    "finish_reason": seq.finish_reason,
+                    "stop_reason": seq.stop_reason,
+                })
+        return {"id": rid, "object": "text_completion", "created": created,
+                "model": self.model_name, "choices": choices, "usage": self._usage(outputs)}
+
+    async def _stream_completions(
+        self, req: CompletionRequest, batch: _Batch, rid: str, created: int, stop: list[str]
+    ) -> AsyncIterator[str]:
+        head = {"id": rid, "object": "text_completion", "created": created,
+                "model": self.model_name}
+        offsets: dict[int, int] = {}
+        try:
+            async for index, seq, text, ids, lps, finished in self._stream_updates(
+                batch, stop, req.n, req.logprobs is not None
+            ):
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = self._completion_logprobs(ids, lps, offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + len(text)
+                yield sse({**head, "choices": [{
+                    "index": index, "text": text, "logprobs": logprobs,
+                    "finish_reason": seq.finish_reason if finished else None,
+                    "stop_reason": seq.stop_reason if finished else None,
+                }]})
+            if req.stream_options and req.stream_options.include_usage:
+                yield sse({**head, "choices": [], "usage": self._streamed_usage(batch)})
+            yield sse("[DONE]")
+        finally:
+            await batch.rest.aclose()
+
+    @staticmethod
+    def _streamed_usage(batch: _Batch) -> dict[str, int]:
+        prompt = sum(len(o.prompt_token_ids) for o in batch.latest)
+        completion = sum(c.num_tokens for c in batch.cursors.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+    def _completion_logprobs(
+        self, token_ids: list[int], entries: list[dict[int, Logprob]], offset: int
+    ) -> dict[str, Any]:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for token_id, entry in zip(token_ids, entries):
+            text = self._token_text(token_id)
+            tokens.append(text)
+            token_lps.append(entry[token_id].logprob)
+            tops.append({self._token_text(t): lp.logprob for t, lp in entry.items()})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+                "text_offset": offsets}
+
+    # ---- /v1/chat/completions ----------------------------------------------------------
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> dict[str, Any]:
+        """Token ids of the conversation under the chat template (ValueError if none)."""
+        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            raise ValueError(
+                "this model's tokenizer has no chat template; start the server with "
+                "--chat-template FILE (a Jinja template)"
+            )
+        messages = [m.as_template_input() for m in req.messages]
+        ids = self.tokenizer.apply_chat_template(
+            messages, chat_template=template, tokenize=True,
+            add_generation_prompt=req.add_generation_prompt, return_dict=True,
+        )["input_ids"]
+        return {"prompt_token_ids": list(ids)}
+
+    async def chat(self, req: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        params = req.sampling_params(max_tokens, req.num_logprobs())
+        batch = await self._start([self.chat_prompt(req)], params)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if req.stream:
+            return self._stream_chat(req, batch, rid, created, params.stop_strings)
+        [out] = await self._finish_all(batch)
+        choices = [{
+            "index": seq.index,
+            "message": {"role": "assistant", "content": seq.text},
+            "logprobs": self._chat_logprobs(seq.token_ids, seq.logprobs or [], req.top_logprobs)
+            if req.logprobs else None,
+            "finish_reason": seq.finish_reason,
+            "stop_reason": seq.stop_reason,
+        } for seq in out.outputs]
+        return {"id": rid, "object": "chat.completion", "created": created,
+                "model": self.model_name, "choices": choices, "usage": self._usage([out])}
+
+    async def _stream_chat(
+        self, req: ChatCompletionRequest, batch: _Batch, rid: str, created: int, stop: list[str]
+    ) -> AsyncIterator[str]:
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                "model": self.model_name}
+        try:
+            for index in range(req.n):
+                yield sse({**head, "choices": [{
+                    "index": index, "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None, "finish_reason": None}]})
+            async for index, seq, text, ids, lps, finished in self._stream_updates(
+                batch, stop, req.n, req.logprobs
+            ):
+                delta = {"content": text} if text else {}
+                logprobs = (self._chat_logprobs(ids, lps, req.top_logprobs)
+                            if req.logprobs else None)
+                yield sse({**head, "choices": [{
+                    "index": index, "delta": delta, "logprobs": logprobs,
+                    "finish_reason": seq.finish_reason if finished else None,
+                    "stop_reason": seq.stop_reason if finished else None,
+                }]})
+            if req.stream_options and req.stream_options.include_usage:
+                yield sse({**head, "choices": [], "usage": self._streamed_usage(batch)})
+            yield sse("[DONE]")
+        finally:
+            await batch.rest.aclose()
+
+    def _chat_logprobs(
+        self, token_ids: list[int], entries: list[dict[int, Logprob]], top: int | None
+    ) -> dict[str, Any]:
+        content = []
+        for token_id, entry in zip(token_ids, entries):
+            ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[: top or 0]
+            content.append({
+                **self._chat_token(token_id, entry[token_id].logprob),
+                "top_logprobs": [self._chat_token(t, lp.logprob) for t, lp in ranked],
+            })
+        return {"content": content}
+
+    def _chat_token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self._token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}

@@ -1,0 +1,64 @@
+"""Start ``hitchllm serve`` in a subprocess on a free loopback port, for tests and benches."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_server(args: list[str], timeout: float = 120.0) -> Iterator[str]:
+    """Yield the base URL (``http://127.0.0.1:PORT``) of a server started with ``args``."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hitchllm.entrypoints.cli", "serve", "--port", str(port), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{proc.stdout.read()}")
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("server did not become healthy in time")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def scrape(url: str, name: str, label: str = "") -> float:
+    """A metric from ``/metrics``, summed over its series that carry ``label`` (e.g.
+    ``finished_reason="abort"``); KeyError if no such series exists."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    total, found = 0.0, False
+    for line in text.splitlines():
+        if (line.startswith(name + "{") or line.startswith(name + " ")) and label in line:
+            total += float(line.rsplit(" ", 1)[1])
+            found = True
+    if not found:
+        raise KeyError(name)
+    return total
