@@ -242,3 +242,23 @@ def test_model_without_chat_template_gets_a_clear_400(tmp_path, llama_path):
                                          messages=[{"role": "user", "content": "x y"}])
     rendered = AutoTokenizer.from_pretrained(llama_path)("x y\n", add_special_tokens=False)
     assert resp.usage.prompt_tokens == len(rendered.input_ids)
+
+
+def test_bench_serve_reports_every_request(server, tmp_path, capsys):
+    import argparse
+
+    from hitchllm.entrypoints import bench_serve
+
+    parser = argparse.ArgumentParser()
+    bench_serve.add_args(parser)
+    results = tmp_path / "RESULTS.md"
+    args = parser.parse_args(["--base-url", f"{server}/v1", "--model", MODEL, "--api-key", KEY,
+                              "--num-prompts", "6", "--max-concurrency", "3",
+                              "--input-len", "4", "12", "--output-len", "3", "6",
+                              "--append-results", str(results)])
+    assert bench_serve.main(args) == 0
+    out = capsys.readouterr().out
+    assert "requests 6 (failed 0)" in out and "ttft" in out
+    expected_tokens = sum(n for _, n in bench_serve.make_workload(args))
+    assert f"({expected_tokens} tokens)" in out
+    assert "| req/s |" in results.read_text()

@@ -7,6 +7,7 @@ import argparse
 import sys
 from typing import Any
 
+from hitchllm.entrypoints import bench_serve
 from hitchllm.entrypoints.backends_table import print_backends
 from hitchllm.sampling_params import SamplingParams
 
@@ -162,6 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--chat-template", help="Jinja chat template file (overrides the model's)")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("bench", help="benchmarks")
+    bench = p.add_subparsers(dest="bench_command", required=True)
+    p = bench.add_parser("serve", help="load-test a running OpenAI-compatible server")
+    bench_serve.add_args(p)
+    p.set_defaults(func=bench_serve.main)
 
     p = sub.add_parser("backends", help="list attention backends and which one auto mode picks")
     p.add_argument("--model", help="checkpoint directory (default: a typical 8B-like shape)")
