@@ -8,7 +8,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -61,6 +61,8 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(256, ge=1)
     max_num_batched_tokens: int | None = Field(None, ge=1)
     enable_prefix_caching: bool = True
+    # fcfs: arrival order; priority: lowest ``priority`` value first (vLLM's convention).
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     seed: int = 0
     # A method from a quantization plugin; default: the checkpoint's quant_method, if any.
     quantization: str | None = None

@@ -47,7 +47,9 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    eos_token_id: int | None = None
+    # Tokens that end the sequence unless ``ignore_eos`` (the tokenizer's EOS plus any extra
+    # end-of-turn ids from generation_config.json).
+    eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0
     cache_salt: str | None = None
@@ -90,6 +92,12 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop output tokens past the first ``num_output_tokens`` (a stop string ended the
+        sequence in the middle of a step's tokens)."""
+        del self.output_token_ids[num_output_tokens:]
+        del self.all_token_ids[self.num_prompt_tokens + num_output_tokens :]
 
     @property
     def finished(self) -> bool:

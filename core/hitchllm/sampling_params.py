@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
@@ -59,6 +60,10 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             bad(f"n must be an integer >= 1, got {self.n!r}.")
+        if not all(map(math.isfinite, (self.temperature, self.top_p, self.min_p,
+                                        self.presence_penalty, self.frequency_penalty,
+                                        self.repetition_penalty))):
+            bad("temperature, top_p, min_p and the penalties must be finite numbers.")
         if self.temperature < 0.0:
             bad(f"temperature must be >= 0 (0 means greedy), got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
@@ -87,6 +92,8 @@ class SamplingParams:
             bad("stop strings must be non-empty.")
         if any(t < 0 for t in self.stop_token_ids):
             bad(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids}.")
+        if self.stop_strings and not self.detokenize:
+            bad("stop strings need detokenize=True (use stop_token_ids to stop without text).")
         if self.seed is not None and not isinstance(self.seed, int):
             bad(f"seed must be an integer, got {self.seed!r}.")
 

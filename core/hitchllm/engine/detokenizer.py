@@ -37,12 +37,23 @@ class IncrementalDetokenizer:
             spaces_between_special_tokens=self.params.spaces_between_special_tokens,
         )
 
-    def add_tokens(self, new_tokens: list[int]) -> bool:
-        """Append tokens; returns True when a stop string ended the sequence."""
-        self.tokens.extend(new_tokens)
+    def add_token(self, token: int) -> bool:
+        """Append one token; returns True when a stop string ended the sequence.
+
+        Tokens go in one at a time so a stop string ends the text (and the caller can cut the
+        token ids) at the token that completed it, however many tokens a step produced.
+        """
+        self.tokens.append(token)
+        return self._emit(final=False)
+
+    def flush(self) -> None:
+        """The sequence ended: emit text held back for an incomplete character."""
+        self._emit(final=True)
+
+    def _emit(self, final: bool) -> bool:
         prefix_text = self._decode(self.tokens[self.prefix_offset : self.read_offset])
         full_text = self._decode(self.tokens[self.prefix_offset :])
-        if full_text.endswith("\ufffd") or len(full_text) <= len(prefix_text):
+        if len(full_text) <= len(prefix_text) or (full_text.endswith("\ufffd") and not final):
             return False
         new_text = full_text[len(prefix_text) :]
         self.prefix_offset = self.read_offset

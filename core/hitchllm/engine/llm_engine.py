@@ -22,6 +22,7 @@ from hitchllm.outputs import RequestOutput
 from hitchllm.plugins import get_plugin_registry
 from hitchllm.request import Request, RequestStatus
 from hitchllm.sampling_params import SamplingParams
+from hitchllm.scheduler.policy import PreemptionPolicy
 from hitchllm.scheduler.scheduler import Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,9 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len()
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         eos = self.tokenizer.eos_token_id
-        self.eos_token_id = eos if eos is not None else (mc.eos_token_ids or [None])[0]
+        # generation_config.json may name extra end-of-turn ids (Llama 3 <|eot_id|>, Qwen).
+        self.eos_token_ids = tuple(dict.fromkeys(
+            ([] if eos is None else [eos]) + list(mc.eos_token_ids)))
 
         spec = AttentionSpec.for_device(
             self.device,
@@ -88,6 +91,7 @@ class LLMEngine:
                 max_num_batched_tokens=config.max_num_batched_tokens
                 or DEFAULT_MAX_NUM_BATCHED_TOKENS,
                 max_model_len=self.max_model_len,
+                policy=PreemptionPolicy(config.scheduling_policy),
             ),
             self.kv_cache,
         )
@@ -226,8 +230,11 @@ class LLMEngine:
         """Validate and queue a request; returns its id. Raises ``ValueError`` for a request
         that can never be served (nothing is queued then)."""
         params = params or SamplingParams()
-        request_id = request_id or str(next(self._request_counter))
-        if request_id in self.output_processor.parents:
+        if request_id is None:
+            request_id = str(next(self._request_counter))
+            while self._id_in_use(request_id, params.n):
+                request_id = str(next(self._request_counter))
+        elif self._id_in_use(request_id, params.n):
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize(prompt)
         self._validate(token_ids, params)
@@ -238,10 +245,10 @@ class LLMEngine:
                 seed = None if params.seed is None else params.seed + i
                 child_params = replace(params, n=1, seed=seed)
             children.append(Request(
-                request_id=request_id if params.n == 1 else f"{i}_{request_id}",
+                request_id=self._child_id(request_id, i, params.n),
                 prompt_token_ids=token_ids,
                 sampling_params=child_params,
-                eos_token_id=self.eos_token_id,
+                eos_token_ids=self.eos_token_ids,
                 priority=priority,
                 cache_salt=cache_salt,
                 prefix_share_key=request_id if params.n > 1 else None,
@@ -253,6 +260,16 @@ class LLMEngine:
         for child in children:
             self.scheduler.add_request(child)
         return request_id
+
+    @staticmethod
+    def _child_id(request_id: str, index: int, n: int) -> str:
+        return request_id if n == 1 else f"{index}_{request_id}"
+
+    def _id_in_use(self, request_id: str, n: int) -> bool:
+        """True if the request or any of its children's ids belongs to a live request."""
+        ids = {request_id} | {self._child_id(request_id, i, n) for i in range(n)}
+        return any(rid in self.output_processor.parents or rid in self.scheduler.requests
+                   for rid in ids)
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
         vocab = self.model_config.vocab_size

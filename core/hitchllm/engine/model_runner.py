@@ -187,7 +187,7 @@ class ModelRunner:
             params=[r.sampling_params for r, _ in rows],
             prompt_token_ids=[r.prompt_token_ids for r, _ in rows],
             output_token_ids=[r.output_token_ids + r.spec_token_ids[:j] for r, j in rows],
-            eos_token_ids=[r.eos_token_id for r, _ in rows],
+            eos_token_ids=[r.eos_token_ids for r, _ in rows],
             generators=[self._generator_for(r) for r, _ in rows],
             default_generator=self.default_generator,
             vocab_size=self.vocab_size,

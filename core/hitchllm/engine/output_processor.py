@@ -87,14 +87,23 @@ class OutputProcessor:
             # The request may have kept fewer tokens than were emitted (a stop condition in
             # the middle of accepted drafts), so read them back from the request.
             tokens = request.output_token_ids[seq.num_tokens_seen :]
-            seq.num_tokens_seen += len(tokens)
+            kept = len(tokens)
+            detok = seq.detokenizer
+            if detok is not None:
+                for i, token in enumerate(tokens):
+                    if detok.add_token(token):
+                        kept = i + 1
+                        seq.finish_reason, seq.stop_reason = "stop", detok.stop_reason
+                        request.truncate_output(seq.num_tokens_seen + kept)
+                        if not request.finished:
+                            stopped.append(request.request_id)
+                        break
             if seq.logprobs is not None and request.request_id in logprobs:
-                seq.logprobs.extend(logprobs[request.request_id][: len(tokens)])
-            if seq.detokenizer is not None and seq.detokenizer.add_tokens(tokens):
-                seq.finish_reason, seq.stop_reason = "stop", seq.detokenizer.stop_reason
-                if not request.finished:
-                    stopped.append(request.request_id)
+                seq.logprobs.extend(logprobs[request.request_id][:kept])
+            seq.num_tokens_seen += kept
             if seq.finish_reason is None and request.finished:
+                if detok is not None:
+                    detok.flush()
                 seq.finish_reason = request.status.finish_reason
                 seq.stop_reason = request.stop_reason
             touched[parent.request_id] = parent

@@ -8,6 +8,7 @@ read a tensor back from the device.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -72,7 +73,7 @@ def build_sampling_metadata(
     params: list[SamplingParams],
     prompt_token_ids: list[list[int]],
     output_token_ids: list[list[int]],
-    eos_token_ids: list[int | None],
+    eos_token_ids: list[int | Sequence[int] | None],
     generators: list[torch.Generator | None],
     default_generator: torch.Generator | None,
     vocab_size: int,
@@ -83,7 +84,8 @@ def build_sampling_metadata(
     All list arguments are per row and of equal length. ``generators[i]`` is the request's own
     generator when it was given a seed (ignored for greedy rows, which draw no noise).
     A row whose output is shorter than ``min_tokens`` may not produce its ``stop_token_ids``
-    nor its EOS token (EOS is not a stop token under ``ignore_eos``, so it stays allowed).
+    nor its EOS token(s) (``eos_token_ids[i]`` is an id, several ids, or None; EOS is not a
+    stop token under ``ignore_eos``, so it stays allowed).
     """
     n = len(params)
     lengths = {len(prompt_token_ids), len(output_token_ids), len(eos_token_ids), len(generators)}
@@ -121,7 +123,7 @@ def build_sampling_metadata(
             row_forbidden = list(p.stop_token_ids or [])
             eos = eos_token_ids[i]
             if eos is not None and not p.ignore_eos:
-                row_forbidden.append(eos)
+                row_forbidden.extend([eos] if isinstance(eos, int) else eos)
         forbidden.append(row_forbidden)
         if p.logprobs is not None:
             # More top tokens than the vocabulary holds cannot be returned.

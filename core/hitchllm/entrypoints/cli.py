@@ -29,6 +29,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
     g.add_argument("--max-num-batched-tokens", type=int)
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                    action="store_false", help="turn automatic prefix caching off")
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"])
     g.add_argument("--seed", type=int, default=0, help="seed of the engine's sampling RNG")
 
 
@@ -36,7 +37,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The ``EngineConfig`` fields given on the command line (unset ones left out)."""
     names = ["tokenizer", "dtype", "device", "attention_backend", "block_size", "num_kv_blocks",
              "kv_cache_memory", "gpu_memory_utilization", "max_model_len", "max_num_seqs",
-             "max_num_batched_tokens", "enable_prefix_caching", "seed"]
+             "max_num_batched_tokens", "enable_prefix_caching", "scheduling_policy", "seed"]
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 

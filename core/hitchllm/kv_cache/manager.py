@@ -95,10 +95,7 @@ class KVCacheManager:
             if block is None:
                 break
             hit.append(block)
-        num_hit_tokens = len(hit) * self.block_size
-        self.prefix_cache_queries += request.num_prompt_tokens
-        self.prefix_cache_hits += num_hit_tokens
-        return hit, num_hit_tokens
+        return hit, len(hit) * self.block_size
 
     def allocate_slots(
         self,
@@ -110,7 +107,8 @@ class KVCacheManager:
         """Give ``request`` blocks for its computed tokens, the hit, and the tokens to compute.
 
         ``new_computed_blocks`` (from ``get_computed_blocks``, only before the request holds
-        any block) become the first blocks and are referenced. Returns False, changing nothing,
+        any block; pass an empty list for a miss) become the first blocks and are referenced,
+        and the lookup is counted in the prefix-cache stats. Returns False, changing nothing,
         when too few blocks are free; free cached blocks count as free and are evicted first.
         """
         hit = new_computed_blocks or []
@@ -134,6 +132,10 @@ class KVCacheManager:
         blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
         self._blocks[request.request_id] = blocks
         if self._uses_hashing(request):
+            if new_computed_blocks is not None:
+                # Counted on admission only, so a request that waits is not counted per retry.
+                self.prefix_cache_queries += request.num_prompt_tokens
+                self.prefix_cache_hits += num_hit_tokens
             self._register_full_blocks(request, min(num_computed_after, request.num_tokens))
         return True
 

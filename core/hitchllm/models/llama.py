@@ -45,7 +45,10 @@ def family_traits(config: ModelConfig) -> FamilyTraits:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, traits: FamilyTraits, layer_index: int) -> None:
+    def __init__(
+        self, config: ModelConfig, traits: FamilyTraits, layer_index: int,
+        rotary: RotaryEmbedding,
+    ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -60,9 +63,7 @@ class LlamaAttention(nn.Module):
         if traits.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(
-            self.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
-        )
+        self.rotary = rotary
         self.attn = Attention(
             self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5, layer_index
         )
@@ -92,10 +93,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, traits: FamilyTraits, layer_index: int) -> None:
+    def __init__(
+        self, config: ModelConfig, traits: FamilyTraits, layer_index: int,
+        rotary: RotaryEmbedding,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, traits, layer_index)
+        self.self_attn = LlamaAttention(config, traits, layer_index, rotary)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
@@ -109,8 +113,13 @@ class LlamaModel(nn.Module):
         super().__init__()
         traits = family_traits(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # One cos/sin table shared by every layer (it can be large for long-context models).
+        rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta,
+            config.rope_scaling,
+        )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, traits, i) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, traits, i, rotary) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

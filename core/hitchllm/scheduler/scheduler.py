@@ -8,7 +8,8 @@ prompts split across steps when they do not fit the remaining budget.
 
 When the KV cache runs out of blocks, a running request is preempted by recompute: its blocks
 are freed and it goes back to the front of the waiting queue (prefix caching usually makes the
-recompute cheap). The victim is chosen by ``PreemptionPolicy``.
+recompute cheap). The victim is chosen by ``PreemptionPolicy`` among the running requests not
+yet scheduled in the step.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class Scheduler:
     # ---- requests in and out -----------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        self.waiting.append(request)
+        self.config.policy.enqueue(self.waiting, request)
         self.requests[request.request_id] = request
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
@@ -126,8 +127,9 @@ class Scheduler:
             num_known = request.num_tokens - request.num_computed_tokens
             del request.spec_token_ids[max(0, num_new - num_known):]
             while not self.kv_cache.allocate_slots(request, num_new):
-                victim = self.config.policy.pick_victim(self.running)
-                budget += scheduled.pop(victim, 0)
+                # Only requests not yet scheduled this step may be preempted: blocks of a
+                # scheduled one may already be shared with (and relied on by) this step.
+                victim = self.config.policy.pick_victim(self.running[index:])
                 self._preempt(victim)
                 preempted_any = True
                 if victim is request:
@@ -180,7 +182,7 @@ class Scheduler:
         request.spec_token_ids = []
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.config.policy.enqueue(self.waiting, request, front=True)
         self._released.append(request.request_id)
 
     def update_from_output(

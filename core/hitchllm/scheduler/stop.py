@@ -10,7 +10,7 @@ def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
     params = request.sampling_params
     token = request.output_token_ids[-1]
     if request.num_output_tokens >= params.min_tokens:
-        if not params.ignore_eos and token == request.eos_token_id:
+        if not params.ignore_eos and token in request.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if token in params.stop_token_ids:
             request.stop_reason = token
