@@ -186,10 +186,18 @@ def test_64_concurrent_streams_finish_and_leak_nothing(server):
                 n += 1
         return n
 
-    async def main():
-        return await asyncio.gather(*(one(i) for i in range(64)))
+    async def bad(i: int) -> str:
+        try:
+            await aclient.completions.create(model=MODEL, prompt="x " * 300, max_tokens=4)
+        except openai.BadRequestError:
+            return "rejected"
+        return "accepted"
 
-    assert asyncio.run(main()) == [1] * 64
+    async def main():
+        # Bad requests arrive in the middle of the streams and must not disturb them.
+        return await asyncio.gather(*(one(i) for i in range(64)), *(bad(i) for i in range(8)))
+
+    assert asyncio.run(main()) == [1] * 64 + ["rejected"] * 8
     assert scrape(server, "hitchllm:num_requests_running") == 0
     assert scrape(server, "hitchllm:num_requests_waiting") == 0
     assert scrape(server, "hitchllm:kv_cache_usage_perc") == 0
