@@ -16,9 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from server_process import running_server  # noqa: E402
+from server_process import running_server
 
-from hitchllm.tiny_model import build_tiny_checkpoint  # noqa: E402
+from hitchllm.tiny_model import build_tiny_checkpoint
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 

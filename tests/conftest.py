@@ -39,9 +39,22 @@ def llama_path(tiny_models) -> str:
 
 @pytest.fixture(autouse=True)
 def _fresh_plugins(monkeypatch):
-    """Each test discovers plugins anew and sees no forcing from the developer's shell."""
-    for var in ("HITCHLLM_PLUGINS", "HITCHLLM_ATTENTION_BACKEND", "VLLM_ATTENTION_BACKEND"):
+    """Each test discovers plugins anew and sees no forcing from the developer's shell.
+
+    Engines in tests use the TORCH reference unless a test names a backend: with
+    TRITON_INTERPRET=1 (set above) an installed TRITON_ATTN would otherwise win auto mode on
+    the CPU and every engine test would crawl through Triton's interpreter. Tests of auto mode
+    use the ``auto_backend`` fixture.
+    """
+    for var in ("HITCHLLM_PLUGINS", "VLLM_ATTENTION_BACKEND"):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HITCHLLM_ATTENTION_BACKEND", "TORCH")
     reset_plugin_registry()
     yield
     reset_plugin_registry()
+
+
+@pytest.fixture
+def auto_backend(monkeypatch):
+    """No backend forced: the selector's auto mode decides."""
+    monkeypatch.delenv("HITCHLLM_ATTENTION_BACKEND", raising=False)

@@ -49,6 +49,8 @@ DIST = "hitchllm-attention-example"
 SPEC = AttentionSpec(device_type="cpu", dtype=torch.float32, kv_cache_dtype=torch.float32,
                      head_size=16, num_heads=4, num_kv_heads=2, block_size=4)
 
+pytestmark = pytest.mark.usefixtures("auto_backend")
+
 
 def guide_files() -> dict[str, str]:
     files = {m["path"]: m["body"] for m in TITLED_BLOCK.finditer(GUIDE.read_text())}
@@ -79,6 +81,9 @@ def example(tmp_path, monkeypatch) -> Path:
         path.write_text(body)
     assert write_dist_info(root) == (DIST, "0.1.0")
     monkeypatch.syspath_prepend(str(root))
+    # The guide describes a machine with the core and this plugin only; other installed
+    # plugins (e.g. TRITON_ATTN) would change what auto mode picks.
+    monkeypatch.setenv("HITCHLLM_PLUGINS", DIST)
     yield root
     for mod in [m for m in sys.modules if m.startswith("hitchllm_attention_example")]:
         del sys.modules[mod]

@@ -12,6 +12,16 @@ from hitchllm import LLM, SamplingParams
 from hitchllm.attention import AttentionBackendError, AttentionSpec, select_attention_backend
 from hitchllm.plugins import get_plugin_registry
 
+pytestmark = pytest.mark.usefixtures("auto_backend")
+
+
+@pytest.fixture(autouse=True)
+def _only_this_modules_plugins(monkeypatch):
+    """These tests describe a machine with the core and the fake plugins below only; real
+    plugins installed here (TRITON_ATTN, ...) stay out through the allow-list."""
+    monkeypatch.setenv("HITCHLLM_PLUGINS", "hitchllm-fake-backends,hitchllm-broken,"
+                       "hitchllm-fake-model,hitchllm-typo,hitchllm-torch2")
+
 SPEC = AttentionSpec(device_type="cpu", dtype=torch.float32, kv_cache_dtype=torch.float32,
                      head_size=64, num_heads=8, num_kv_heads=2, block_size=16)
 

@@ -1,0 +1,199 @@
+"""TRITON_ATTN: hitchllm's own paged attention kernels, written in Triton."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from hitchllm.attention import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionSpec,
+    CommonAttentionMetadata,
+)
+from hitchllm_attention_triton.config import KernelConfig, choose_kernel_config
+
+MAX_HEAD_SIZE = 256
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclass
+class TritonAttentionMetadata:
+    """Per-step inputs of the kernels (device tensors) and the launch configuration."""
+
+    slot_mapping: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    tile_req: torch.Tensor  # [num_tiles] int32: request of each query tile
+    tile_q0: torch.Tensor  # [num_tiles] int32: first query index of the tile in its request
+    num_tokens: int
+    kernel: KernelConfig
+
+
+class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
+    """Cuts every request's new tokens into query tiles and picks the launch configuration."""
+
+    def __init__(self, spec: AttentionSpec, device: torch.device) -> None:
+        super().__init__(spec, device)
+        self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
+                        if device.type == "cuda" else 4)
+        # Tests set this to exercise split-KV with a given number of partitions.
+        self.force_num_splits: int | None = None
+
+    def build(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
+        n = common.num_reqs
+        spec = self.spec
+        kernel = choose_kernel_config(
+            num_reqs=n, max_query_len=common.max_query_len, max_seq_len=common.max_seq_len,
+            num_kv_heads=spec.num_kv_heads, group=spec.num_heads // spec.num_kv_heads,
+            head_size=spec.head_size, num_sms=self.num_sms, on_gpu=self.device.type == "cuda",
+            force_splits=self.force_num_splits,
+        )
+        qsl = common.query_start_loc_cpu[: n + 1].numpy()
+        q_lens = qsl[1:] - qsl[:-1]
+        tiles = -(-q_lens // kernel.block_q)
+        tile_req = np.repeat(np.arange(n, dtype=np.int32), tiles)
+        first_tile = np.cumsum(tiles) - tiles
+        tile_q0 = ((np.arange(len(tile_req)) - first_tile[tile_req]) * kernel.block_q)
+        return TritonAttentionMetadata(
+            slot_mapping=common.slot_mapping[: common.num_actual_tokens],
+            block_table=common.block_table[:n],
+            seq_lens=common.seq_lens[:n],
+            query_start_loc=common.query_start_loc[: n + 1],
+            tile_req=torch.from_numpy(tile_req).to(self.device, non_blocking=True),
+            tile_q0=torch.from_numpy(tile_q0.astype(np.int32)).to(self.device,
+                                                                   non_blocking=True),
+            num_tokens=common.num_actual_tokens,
+            kernel=kernel,
+        )
+
+
+class TritonAttentionImpl(AttentionImpl):
+    """Writes K/V with ``write_kv_cache``, then runs ``paged_attention`` (and ``merge_splits``
+    when the context is split)."""
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: TritonAttentionMetadata,
+    ) -> torch.Tensor:
+        from hitchllm_attention_triton import kernels
+
+        num_tokens = metadata.num_tokens
+        key_cache, value_cache = kv_cache.unbind(0)
+        token_size = self.num_kv_heads * self.head_size
+        key = key[:num_tokens].reshape(num_tokens, token_size)
+        value = value[:num_tokens].reshape(num_tokens, token_size)
+        if num_tokens:
+            kernels.write_kv_cache[(num_tokens,)](
+                key, value, kv_cache, metadata.slot_mapping,
+                key.stride(0), value.stride(0), kv_cache.stride(0),
+                TOKEN_SIZE=token_size, TOKEN_PAD=triton_next_pow2(token_size),
+            )
+        out = torch.empty_like(query)
+        if num_tokens == 0:
+            return out
+        cfg = metadata.kernel
+        head_pad = max(16, triton_next_pow2(self.head_size))
+        splits = cfg.num_splits
+        if splits > 1:
+            partial = torch.empty(splits * num_tokens * self.num_heads * head_pad,
+                                  dtype=torch.float32, device=query.device)
+            lse = torch.empty(splits * num_tokens * self.num_heads, dtype=torch.float32,
+                              device=query.device)
+        else:
+            partial = lse = out  # unused
+        spec = self.spec
+        grid = (metadata.tile_req.shape[0], self.num_kv_heads, splits)
+        kernels.paged_attention[grid](
+            out, query, key_cache, value_cache,
+            metadata.block_table, metadata.seq_lens, metadata.query_start_loc,
+            metadata.tile_req, metadata.tile_q0, partial, lse,
+            self.scale * 1.4426950408889634, spec.logits_soft_cap or 0.0,
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+            metadata.block_table.stride(0),
+            num_tokens, self.num_heads,
+            GROUP=self.num_heads // self.num_kv_heads, HEAD_DIM=self.head_size,
+            HEAD_PAD=head_pad, BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            PAGE=key_cache.shape[1], USE_SOFTCAP=spec.logits_soft_cap is not None,
+            WINDOW=spec.sliding_window or 0, NUM_SPLITS=splits,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        if splits > 1:
+            kernels.merge_splits[(num_tokens, self.num_heads)](
+                out, partial, lse, out.stride(0), out.stride(1), num_tokens, self.num_heads,
+                HEAD_DIM=self.head_size, HEAD_PAD=head_pad, NUM_SPLITS=splits,
+                SPLITS_PAD=max(2, triton_next_pow2(splits)),
+            )
+        return out
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (max(1, n) - 1).bit_length()
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Paged attention in Triton: prefill, chunked prefill and decode in one kernel family,
+    GQA/MQA, split-KV decoding, sliding window and logits soft-cap."""
+
+    name: ClassVar[str] = "TRITON_ATTN"
+    priority: ClassVar[int] = 100
+
+    @classmethod
+    def validate(cls, spec: AttentionSpec) -> list[str]:
+        reasons = []
+        if importlib.util.find_spec("triton") is None:
+            return ["triton is not installed (pip install triton)"]
+        if spec.use_mla:
+            reasons.append("MLA models need an MLA backend (TRITON_MLA)")
+        if spec.device_type == "cuda":
+            if spec.device_capability is not None and spec.device_capability < (8, 0):
+                reasons.append(f"compute capability {spec.device_capability} is below 8.0")
+            if spec.dtype not in (torch.float16, torch.bfloat16):
+                reasons.append(f"dtype {spec.dtype} is not supported on CUDA (use bfloat16 "
+                               "or float16)")
+        elif spec.device_type == "cpu":
+            if not _interpreting():
+                reasons.append("no CUDA device (on CPU the kernels only run in Triton's "
+                               "interpreter, for testing: set TRITON_INTERPRET=1)")
+            if spec.dtype not in (torch.float32, torch.float16):
+                reasons.append(f"dtype {spec.dtype} is not supported by Triton's CPU "
+                               "interpreter (use float32 or float16)")
+        else:
+            reasons.append(f"device type {spec.device_type!r} is not supported (CUDA only)")
+        if spec.kv_cache_dtype != spec.dtype:
+            reasons.append("a KV-cache dtype different from the model dtype is not supported")
+        if spec.head_size > MAX_HEAD_SIZE:
+            reasons.append(f"head size {spec.head_size} is above {MAX_HEAD_SIZE}")
+        if spec.num_heads % spec.num_kv_heads:
+            reasons.append(f"{spec.num_heads} query heads are not a multiple of "
+                           f"{spec.num_kv_heads} KV heads")
+        return reasons
+
+    @classmethod
+    def get_kv_cache_shape(
+        cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @classmethod
+    def get_impl_cls(cls) -> type[AttentionImpl]:
+        return TritonAttentionImpl
+
+    @classmethod
+    def get_builder_cls(cls) -> type[AttentionMetadataBuilder]:
+        return TritonAttentionMetadataBuilder

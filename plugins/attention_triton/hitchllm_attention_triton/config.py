@@ -1,0 +1,54 @@
+"""Launch configurations: tile sizes, warps, pipeline stages and the split-KV decision.
+
+Chosen on the host once per step from the batch's shape. The numbers for CUDA were tuned on an
+H100 (see benchmarks/attention.py and docs/backends.md); the CPU interpreter gets the smallest
+tiles so tests stay fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_q: int  # query tokens per program
+    block_m: int  # rows per program: block_q * group, rounded up to a power of two >= 16
+    block_n: int  # context tokens per inner-loop tile
+    num_warps: int
+    num_stages: int
+    num_splits: int  # > 1: split-KV ("flash decoding")
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << (max(1, n) - 1).bit_length()
+
+
+def choose_kernel_config(
+    num_reqs: int, max_query_len: int, max_seq_len: int, num_kv_heads: int, group: int,
+    head_size: int, num_sms: int, on_gpu: bool, force_splits: int | None = None,
+) -> KernelConfig:
+    """The configuration for one step's batch."""
+    decode_only = max_query_len == 1
+    if decode_only:
+        block_m = max(16, _pow2_at_least(group))
+        block_q = 1
+        block_n = 64 if on_gpu else 16
+        num_warps, num_stages = 4, 3
+    else:
+        block_m = 128 if on_gpu else 16
+        block_m = max(block_m, _pow2_at_least(group))
+        block_q = max(1, block_m // group)
+        block_n = 64 if on_gpu else 16
+        num_warps, num_stages = (8, 2) if head_size > 64 else (4, 3)
+        if not on_gpu:
+            num_warps, num_stages = 4, 1
+    splits = 1
+    if force_splits is not None:
+        splits = force_splits
+    elif decode_only and on_gpu:
+        programs = num_reqs * num_kv_heads
+        # Split when the batch alone fills under ~2 waves of SMs and contexts are long.
+        if programs < 2 * num_sms and max_seq_len >= 4 * block_n:
+            splits = min(-(-2 * num_sms // programs), max_seq_len // (4 * block_n), 64)
+    return KernelConfig(block_q, block_m, block_n, num_warps, num_stages, max(1, splits))

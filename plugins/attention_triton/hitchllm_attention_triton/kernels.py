@@ -1,0 +1,185 @@
+"""Triton kernels: the KV-cache write and one paged attention kernel family.
+
+Layout of one layer's cache: ``(2, num_blocks, block_size, num_kv_heads, head_size)``; a
+token's slot ``s`` lives at ``[:, s // block_size, s % block_size]``.
+
+``paged_attention`` serves prefill, chunked prefill over a cached prefix, and decode in one
+mixed batch. A program owns one *tile* (``BLOCK_Q`` consecutive query tokens of one request)
+and one KV head; its ``BLOCK_M`` rows are those queries times the ``GROUP`` query heads that
+share the KV head, so each K/V tile is read once for the whole group. It walks the request's
+context in ``BLOCK_N``-token tiles (gathering pages through the block table), with an online
+softmax in float32 (base-2 exponentials). Tiles entirely below the tile's first query are
+visible to every row and skip the causal mask.
+
+With ``NUM_SPLITS > 1`` (decode batches too small to fill the GPU, "flash decoding"), program
+axis 2 splits the context into ranges; each writes its normalized partial output and its
+log-sum-exp, and ``merge_splits`` combines them: ``o = sum_i exp(lse_i - lse) o_i`` with
+``lse = log sum_i exp(lse_i)``, which does not depend on the order of the splits.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def write_kv_cache(
+    key_ptr, value_ptr, cache_ptr, slot_ptr,
+    stride_key_t, stride_value_t, cache_kv_stride,
+    TOKEN_SIZE: tl.constexpr, TOKEN_PAD: tl.constexpr,
+):
+    """One program per token: copy its [num_kv_heads * head_size] K and V to its slot."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t)
+    if slot >= 0:
+        offs = tl.arange(0, TOKEN_PAD)
+        mask = offs < TOKEN_SIZE
+        k = tl.load(key_ptr + t * stride_key_t + offs, mask=mask)
+        v = tl.load(value_ptr + t * stride_value_t + offs, mask=mask)
+        dst = cache_ptr + slot.to(tl.int64) * TOKEN_SIZE + offs
+        tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + cache_kv_stride, v.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _attend_tile(
+    q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row, kv_head_off, start,
+    kv_end, q_pos, d, d_mask, qk_scale, soft_cap,
+    stride_blk, stride_tok,
+    MASKED: tl.constexpr, USE_SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+):
+    pos = start + tl.arange(0, BLOCK_N)
+    in_ctx = pos < kv_end
+    block = tl.load(block_table_row + pos // PAGE, mask=in_ctx, other=0).to(tl.int64)
+    off = block * stride_blk + (pos % PAGE) * stride_tok + kv_head_off
+    kv_mask = in_ctx[:, None] & d_mask[None, :]
+    k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k))
+    if USE_SOFTCAP:
+        # soft_cap * tanh(s * scale / soft_cap), with tanh(x) = 2 sigmoid(2x) - 1
+        s = soft_cap * (2.0 * tl.sigmoid(2.0 * s * (qk_scale / _LOG2E) / soft_cap) - 1.0)
+        s = s * _LOG2E
+    else:
+        s = s * qk_scale
+    if MASKED:
+        allowed = in_ctx[None, :] & (pos[None, :] <= q_pos[:, None])
+        if WINDOW > 0:
+            allowed = allowed & (q_pos[:, None] - pos[None, :] < WINDOW)
+        s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # Rows that have seen nothing yet keep m = -inf; subtract 0 instead to avoid inf - inf.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def paged_attention(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_ptr, tile_req_ptr, tile_q0_ptr,
+    partial_out_ptr, partial_lse_ptr,
+    qk_scale, soft_cap,
+    stride_q_t, stride_q_h, stride_o_t, stride_o_h,
+    stride_blk, stride_tok, stride_head, stride_bt,
+    num_tokens, num_heads,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    req = tl.load(tile_req_ptr + tile)
+    q0 = tl.load(tile_q0_ptr + tile)
+    q_start = tl.load(query_start_ptr + req)
+    q_len = tl.load(query_start_ptr + req + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx_len = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q0 + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_valid = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
+    q_pos = ctx_len + q_idx
+    d = tl.arange(0, HEAD_PAD)
+    d_mask = d < HEAD_DIM
+    token = (q_start + q_idx).to(tl.int64)
+    q = tl.load(q_ptr + token[:, None] * stride_q_t + head[:, None] * stride_q_h + d[None, :],
+                mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+
+    # Context this tile may see: up to its last query's position; from the window's start.
+    kv_end = tl.minimum(seq_len, ctx_len + q0 + BLOCK_Q)
+    kv_start = 0
+    if WINDOW > 0:
+        kv_start = tl.maximum(0, ctx_len + q0 - WINDOW + 1) // BLOCK_N * BLOCK_N
+    if NUM_SPLITS > 1:
+        per_split = tl.cdiv(tl.cdiv(kv_end - kv_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_start = kv_start + split * per_split
+        kv_end = tl.minimum(kv_end, kv_start + per_split)
+    # Positions below the first query's are visible to every row: no mask needed there.
+    unmasked_end = kv_start
+    if WINDOW == 0:
+        unmasked_end = tl.maximum(kv_start, tl.minimum(kv_end, ctx_len + q0) // BLOCK_N * BLOCK_N)
+
+    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    kv_head_off = kv_head * stride_head
+    for start in range(kv_start, unmasked_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, kv_head_off, start, kv_end,
+            q_pos, d, d_mask, qk_scale, soft_cap, stride_blk, stride_tok,
+            False, USE_SOFTCAP, WINDOW, BLOCK_N, PAGE)
+    for start in range(unmasked_end, kv_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, kv_head_off, start, kv_end,
+            q_pos, d, d_mask, qk_scale, soft_cap, stride_blk, stride_tok,
+            True, USE_SOFTCAP, WINDOW, BLOCK_N, PAGE)
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    out_mask = row_valid[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + token[:, None] * stride_o_t + head[:, None] * stride_o_h + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # Partial results: [split, token, head, d] and the base-2 log-sum-exp [split, token, head].
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+        row = (split * num_tokens + token) * num_heads + head
+        tl.store(partial_out_ptr + row[:, None] * HEAD_PAD + d[None, :], out, mask=out_mask)
+        tl.store(partial_lse_ptr + row, lse, mask=row_valid)
+
+
+@triton.jit
+def merge_splits(
+    out_ptr, partial_out_ptr, partial_lse_ptr, stride_o_t, stride_o_h, num_tokens, num_heads,
+    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    """One program per (token, head): combine the splits' partial outputs."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    s_mask = s < NUM_SPLITS
+    rows = (s * num_tokens + token) * num_heads + head
+    lse = tl.load(partial_lse_ptr + rows, mask=s_mask, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w = tl.exp2(lse - lse_max)
+    d = tl.arange(0, HEAD_PAD)
+    parts = tl.load(partial_out_ptr + rows[:, None] * HEAD_PAD + d[None, :],
+                    mask=s_mask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    total = tl.sum(w, 0)
+    out = tl.sum(parts * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + token * stride_o_t + head * stride_o_h + d,
+             out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)

@@ -1,0 +1,147 @@
+"""TRITON_ATTN against a float64 reference over paged caches with permuted blocks (CPU:
+Triton's interpreter, small shapes, float32; GPU: real sizes in bf16), and end to end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from attention_reference import make_batch, reference_attention
+from test_models_hf_parity import mixed_prompts, run
+
+pytest.importorskip("hitchllm_attention_triton")
+
+from hitchllm import LLM
+from hitchllm.attention import AttentionSpec
+from hitchllm_attention_triton import TritonAttentionBackend
+
+CASES = {
+    "prefill": ([0, 0, 0], [5, 17, 1]),
+    "chunked-prefill-over-cached-prefix": ([8, 13], [7, 4]),
+    "decode": ([1, 9, 31, 16], [1, 1, 1, 1]),
+    "mixed": ([0, 12, 40, 3], [9, 1, 6, 1]),
+}
+
+
+def run_triton(context_lens, query_lens, num_heads, num_kv_heads, head_size=16, block_size=4,
+               dtype=torch.float32, device="cpu", splits=None, sliding_window=None,
+               soft_cap=None, num_blocks=64, seed=0):
+    spec = AttentionSpec(device_type=torch.device(device).type, dtype=dtype,
+                         kv_cache_dtype=dtype, head_size=head_size, num_heads=num_heads,
+                         num_kv_heads=num_kv_heads, block_size=block_size,
+                         sliding_window=sliding_window, logits_soft_cap=soft_cap)
+    cache = torch.zeros(TritonAttentionBackend.get_kv_cache_shape(
+        num_blocks, block_size, num_kv_heads, head_size), dtype=dtype, device=device)
+
+    def write(slots, k, v):
+        cache[0].view(-1, num_kv_heads, head_size)[slots] = k
+        cache[1].view(-1, num_kv_heads, head_size)[slots] = v
+
+    batch = make_batch(context_lens, query_lens, num_heads, num_kv_heads, head_size,
+                       block_size, num_blocks, cache, dtype, seed=seed, write_context=write)
+    scale = head_size**-0.5
+    builder = TritonAttentionBackend.get_builder_cls()(spec, torch.device(device))
+    builder.force_num_splits = splits
+    meta = builder.build(batch.common)
+    impl = TritonAttentionBackend.get_impl_cls()(num_heads, head_size, scale, num_kv_heads, spec)
+    out = impl.forward(batch.query, batch.key, batch.value, cache, meta)
+    ref = reference_attention(batch, scale, sliding_window, soft_cap, dtype)
+    return out, ref, cache, batch
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (8, 2)], ids=["gqa1", "gqa2", "gqa4"])
+def test_triton_matches_float64_reference(case, heads):
+    out, ref, _, _ = run_triton(*CASES[case], *heads)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [16, 3])
+def test_partial_last_blocks_and_other_block_sizes(block_size):
+    out, ref, _, _ = run_triton([5, 0, 20], [3, 19, 1], 4, 2, block_size=block_size)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("splits", [2, 3, 5])
+def test_split_kv_decode_matches_reference_and_unsplit(splits):
+    ctx, q = [37, 5, 64], [1, 1, 1]
+    out, ref, _, _ = run_triton(ctx, q, 8, 2, splits=splits)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    unsplit, _, _, _ = run_triton(ctx, q, 8, 2, splits=1)
+    torch.testing.assert_close(out, unsplit, atol=1e-5, rtol=1e-5)
+
+
+def test_new_keys_and_values_land_in_their_slots_and_padding_is_skipped():
+    _, _, cache, batch = run_triton([0, 12], [9, 1], 4, 2)
+    slots = batch.common.slot_mapping
+    torch.testing.assert_close(cache[0].view(-1, 2, 16)[slots], batch.key)
+    torch.testing.assert_close(cache[1].view(-1, 2, 16)[slots], batch.value)
+    # A padding slot (-1) writes nothing.
+    from hitchllm_attention_triton import kernels
+
+    before = cache.clone()
+    key = torch.ones(2, 32)
+    kernels.write_kv_cache[(2,)](key, key, cache, torch.tensor([-1, -1]), 32, 32,
+                                cache.stride(0), TOKEN_SIZE=32, TOKEN_PAD=32)
+    assert torch.equal(cache, before)
+
+
+def test_sliding_window_soft_cap_and_odd_head_size():
+    out, ref, _, _ = run_triton(*CASES["mixed"], 4, 2, sliding_window=5)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    out, ref, _, _ = run_triton(*CASES["mixed"], 4, 2, soft_cap=2.0)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    out, ref, _, _ = run_triton(*CASES["prefill"], 4, 2, head_size=24)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_validate_explains_what_it_cannot_serve(monkeypatch):
+    spec = AttentionSpec(device_type="cpu", dtype=torch.bfloat16, kv_cache_dtype=torch.bfloat16,
+                         head_size=512, num_heads=8, num_kv_heads=2, block_size=16, use_mla=True)
+    reasons = " ".join(TritonAttentionBackend.validate(spec))
+    assert "MLA" in reasons and "512" in reasons and "interpreter" in reasons
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    fp32 = AttentionSpec(device_type="cpu", dtype=torch.float32, kv_cache_dtype=torch.float32,
+                         head_size=64, num_heads=8, num_kv_heads=2, block_size=16)
+    assert "TRITON_INTERPRET=1" in " ".join(TritonAttentionBackend.validate(fp32))
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+def test_engine_greedy_tokens_equal_torch_backend(tiny_models, arch):
+    path = tiny_models[arch]
+    prompts = mixed_prompts(5, lengths=(3, 11, 26))
+    expected = run(LLM(path, block_size=4, attention_backend="TORCH"), prompts, max_tokens=6)
+    llm = LLM(path, block_size=4, attention_backend="TRITON_ATTN", max_num_batched_tokens=16,
+              num_kv_blocks=14)
+    assert run(llm, prompts, max_tokens=6) == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    ([0] * 4, [512, 300, 77, 1000]),
+    ([1500, 2048, 0, 700], [512, 1, 333, 1]),
+    ([2047] * 32, [1] * 32),
+])
+@pytest.mark.parametrize("heads", [(32, 8), (32, 4), (16, 16)])
+def test_gpu_bf16_real_sizes(case, heads):
+    for block_size in (16, 32):
+        out, ref, _, _ = run_triton(*case, *heads, head_size=128, block_size=block_size,
+                                    dtype=torch.bfloat16, device="cuda", num_blocks=2048)
+        torch.testing.assert_close(out.double().cpu(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [None, 4, 7])
+def test_gpu_split_kv_long_context(splits):
+    out, ref, _, _ = run_triton([32767, 9000], [1, 1], 32, 8, head_size=128, block_size=16,
+                                dtype=torch.bfloat16, device="cuda", num_blocks=2600,
+                                splits=splits)
+    torch.testing.assert_close(out.double().cpu(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_engine_tokens_track_torch_backend(tiny_models):
+    path = tiny_models["Qwen3ForCausalLM"]
+    prompts = mixed_prompts(6, lengths=(3, 40, 70))
+    ref = run(LLM(path, device="cuda", attention_backend="TORCH"), prompts, max_tokens=4)
+    got = run(LLM(path, device="cuda", attention_backend="TRITON_ATTN"), prompts, max_tokens=4)
+    assert [g[:2] for g in got] == [r[:2] for r in ref]
