@@ -5,6 +5,7 @@ page 16, random page order) plus a decode sweep over batch and context. For each
 prints microseconds, achieved KV bandwidth (decode) or TFLOP/s (prefill) and the ratio to
 FlashInfer, and checks both outputs agree. ``--tune`` also times a grid of launch
 configurations for the headline shapes (used to choose hitchllm_attention_triton/config.py).
+Times are device times of calls replayed from CUDA graphs, for both implementations.
 
     python benchmarks/attention.py [--sweep] [--tune] [--results benchmarks/RESULTS.md]
 """
@@ -95,9 +96,8 @@ class Bench:
 
     def triton_fn(self, kernel: KernelConfig | None = None):
         builder = TritonAttentionBackend.get_builder_cls()(self.spec, torch.device("cuda"))
+        builder.kernel_override = kernel
         meta = builder.build(self.common)
-        if kernel is not None:
-            meta = dataclasses.replace(meta, kernel=kernel)
         c = self.case
         impl = TritonAttentionBackend.get_impl_cls()(c.num_heads, HEAD, HEAD**-0.5,
                                                      c.num_kv_heads, self.spec)
@@ -128,7 +128,11 @@ class Bench:
 
 
 def time_us(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100) * 1000
+    """Device time of one call, replayed from a CUDA graph so that Python launch overhead
+    (which CUDA graphs remove in the engine) does not count for either implementation."""
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench_cudagraph(fn, rep=100) * 1000
 
 
 def headline_cases() -> list[Case]:
@@ -187,6 +191,7 @@ HEADER = ("| shape | TRITON_ATTN us | rate | FlashInfer us, rate, ratio (ours/FI
 def tune(case: Case) -> None:
     print(f"\n## tuning {case.name}")
     grid = []
+    group = case.num_heads // case.num_kv_heads
     for block_n in (32, 64, 128):
         for warps in (4, 8):
             for stages in (2, 3, 4):
@@ -194,7 +199,7 @@ def tune(case: Case) -> None:
                     grid.append(KernelConfig(1, 16, block_n, warps, stages, 1))
                 else:
                     for block_m in (64, 128):
-                        grid.append(KernelConfig(block_m // 4, block_m, block_n, warps,
+                        grid.append(KernelConfig(block_m // group, block_m, block_n, warps,
                                                  stages, 1))
     bench = Bench(case)
     results = []

@@ -2,9 +2,12 @@
 
 import os
 
+import torch  # imports no Triton kernel, so it may come first
+
 # Triton kernels must run in the interpreter on machines without a GPU; this must be set
 # before any @triton.jit function is defined, so it sits at the very top of the test session.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 # Engines in tests run on the CPU unless a test asks for CUDA (the GPU tests do), so the
 # CPU suite means the same thing on a machine that has a GPU.
 os.environ.setdefault("HITCHLLM_DEVICE", "cpu")

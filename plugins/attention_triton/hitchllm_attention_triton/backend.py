@@ -47,8 +47,10 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
         super().__init__(spec, device)
         self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
                         if device.type == "cuda" else 4)
-        # Tests set this to exercise split-KV with a given number of partitions.
+        # Tests set this to exercise split-KV with a given number of partitions; the tuning
+        # benchmark sets a whole launch configuration.
         self.force_num_splits: int | None = None
+        self.kernel_override: KernelConfig | None = None
 
     def build(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
         n = common.num_reqs
@@ -58,7 +60,7 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
             num_kv_heads=spec.num_kv_heads, group=spec.num_heads // spec.num_kv_heads,
             head_size=spec.head_size, num_sms=self.num_sms, on_gpu=self.device.type == "cuda",
             force_splits=self.force_num_splits,
-        )
+        ) if self.kernel_override is None else self.kernel_override
         qsl = common.query_start_loc_cpu[: n + 1].numpy()
         q_lens = qsl[1:] - qsl[:-1]
         tiles = -(-q_lens // kernel.block_q)

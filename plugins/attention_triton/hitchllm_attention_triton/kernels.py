@@ -50,14 +50,24 @@ def _attend_tile(
     kv_end, q_pos, d, d_mask, qk_scale, soft_cap,
     stride_blk, stride_tok,
     MASKED: tl.constexpr, USE_SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PAD_D: tl.constexpr,
 ):
     pos = start + tl.arange(0, BLOCK_N)
     in_ctx = pos < kv_end
-    block = tl.load(block_table_row + pos // PAGE, mask=in_ctx, other=0).to(tl.int64)
+    if MASKED:
+        block = tl.load(block_table_row + pos // PAGE, mask=in_ctx, other=0).to(tl.int64)
+    else:  # the caller guarantees the whole tile lies inside the context: no predicates
+        block = tl.load(block_table_row + pos // PAGE).to(tl.int64)
     off = block * stride_blk + (pos % PAGE) * stride_tok + kv_head_off
-    kv_mask = in_ctx[:, None] & d_mask[None, :]
-    k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    kv_ptrs = off[:, None] + d[None, :]
+    if MASKED:  # noqa: SIM108 (Triton compiles if-blocks on constexprs, not conditional exprs)
+        kv_mask = in_ctx[:, None] & d_mask[None, :]
+    else:
+        kv_mask = d_mask[None, :] & (pos >= 0)[:, None]
+    if MASKED or PAD_D:
+        k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+    else:
+        k = tl.load(k_cache_ptr + kv_ptrs)
     s = tl.dot(q, tl.trans(k))
     if USE_SOFTCAP:
         # soft_cap * tanh(s * scale / soft_cap), with tanh(x) = 2 sigmoid(2x) - 1
@@ -76,7 +86,10 @@ def _attend_tile(
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    if MASKED or PAD_D:
+        v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+    else:
+        v = tl.load(v_cache_ptr + kv_ptrs)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
 
@@ -139,12 +152,12 @@ def paged_attention(
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, kv_head_off, start, kv_end,
             q_pos, d, d_mask, qk_scale, soft_cap, stride_blk, stride_tok,
-            False, USE_SOFTCAP, WINDOW, BLOCK_N, PAGE)
+            False, USE_SOFTCAP, WINDOW, BLOCK_N, PAGE, HEAD_PAD != HEAD_DIM)
     for start in range(unmasked_end, kv_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, kv_head_off, start, kv_end,
             q_pos, d, d_mask, qk_scale, soft_cap, stride_blk, stride_tok,
-            True, USE_SOFTCAP, WINDOW, BLOCK_N, PAGE)
+            True, USE_SOFTCAP, WINDOW, BLOCK_N, PAGE, HEAD_PAD != HEAD_DIM)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
