@@ -34,13 +34,13 @@ def choose_kernel_config(
         block_m = max(16, _pow2_at_least(group))
         block_q = 1
         block_n = 64 if on_gpu else 16
-        num_warps, num_stages = 4, 2
+        num_warps, num_stages = 4, 3
     else:
-        block_m = 64 if on_gpu else 16
+        block_m = 128 if on_gpu else 16
         block_m = max(block_m, _pow2_at_least(group))
         block_q = max(1, block_m // group)
-        block_n = 64 if on_gpu else 16
-        num_warps, num_stages = (4, 2) if on_gpu else (4, 1)
+        block_n = 32 if on_gpu else 16
+        num_warps, num_stages = (8, 2) if on_gpu else (4, 1)
     splits = 1
     if force_splits is not None:
         splits = force_splits
