@@ -132,6 +132,15 @@ def test_gpu_bf16_real_sizes(case, heads):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_size", [64, 96, 256])
+def test_gpu_other_head_sizes(head_size):
+    for case in (([0, 700], [300, 1]), ([2047] * 8, [1] * 8)):
+        out, ref, _, _ = run_triton(*case, 16, 4, head_size=head_size, block_size=16,
+                                    dtype=torch.bfloat16, device="cuda")
+        torch.testing.assert_close(out.double().cpu(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("splits", [None, 4, 7])
 def test_gpu_split_kv_long_context(splits):
     out, ref, _, _ = run_triton([32767, 9000], [1, 1], 32, 8, head_size=128, block_size=16,

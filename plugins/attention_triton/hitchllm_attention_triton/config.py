@@ -41,6 +41,9 @@ def choose_kernel_config(
         block_q = max(1, block_m // group)
         block_n = 32 if on_gpu else 16
         num_warps, num_stages = (8, 2) if on_gpu else (4, 1)
+        if on_gpu and head_size > 128:  # keep the [BLOCK_M, head] accumulator in registers
+            block_m = max(64, _pow2_at_least(group))
+            block_q = max(1, block_m // group)
     splits = 1
     if force_splits is not None:
         splits = force_splits
