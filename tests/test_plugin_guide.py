@@ -179,7 +179,9 @@ def test_example_impl_skips_padding_slots_and_matches_torch_impl(example):
     context_k, context_v, k, v = torch.randn(4, 3, kv_heads, d, generator=g)
     q = torch.randn(3, heads, d, generator=g)
     caches[NAME][4, 0, :3], caches[NAME][4, 1, :3] = context_k, context_v  # its own layout
-    caches["TORCH"][0, 4, :3], caches["TORCH"][1, 4, :3] = context_k, context_v
+    # TORCH is head-major: [k/v, kv_head, block, offset, d].
+    caches["TORCH"][0, :, 4, :3] = context_k.transpose(0, 1)
+    caches["TORCH"][1, :, 4, :3] = context_v.transpose(0, 1)
 
     out = {}
     for name, backend in backends.items():

@@ -27,9 +27,9 @@ def run_torch_backend(case, num_heads, num_kv_heads, block_size=4, head_size=16,
     cache = torch.zeros(TorchAttentionBackend.get_kv_cache_shape(
         num_blocks, block_size, num_kv_heads, head_size), dtype=dtype)
 
-    def write(slots, k, v):
-        cache[0].view(-1, num_kv_heads, head_size)[slots] = k
-        cache[1].view(-1, num_kv_heads, head_size)[slots] = v
+    def write(slots, k, v):  # TORCH's layout is head-major: [kv_heads, slot, d]
+        cache[0].view(num_kv_heads, -1, head_size)[:, slots] = k.transpose(0, 1)
+        cache[1].view(num_kv_heads, -1, head_size)[:, slots] = v.transpose(0, 1)
 
     batch = make_batch(context_lens, query_lens, num_heads, num_kv_heads, head_size,
                        block_size, num_blocks, cache, dtype, write_context=write)
@@ -51,8 +51,9 @@ def test_torch_backend_matches_float64_reference(case, heads):
 def test_new_keys_and_values_land_in_their_slots():
     _, _, cache, batch = run_torch_backend("mixed", 4, 2)
     slots = batch.common.slot_mapping
-    torch.testing.assert_close(cache[0].view(-1, 2, 16)[slots].double(), batch.key.double())
-    torch.testing.assert_close(cache[1].view(-1, 2, 16)[slots].double(), batch.value.double())
+    for i, new in enumerate((batch.key, batch.value)):
+        stored = cache[i].view(2, -1, 16)[:, slots].transpose(0, 1)
+        torch.testing.assert_close(stored.double(), new.double())
 
 
 def test_padding_slots_are_not_written():
@@ -74,8 +75,8 @@ def test_padding_slots_are_not_written():
     meta = TorchAttentionBackend.get_builder_cls()(spec, torch.device("cpu")).build(common)
     k = torch.ones(3, 2, 8)
     impl.forward(torch.ones(3, 2, 8), k, k, cache, meta)
-    written = cache[0, :3].reshape(-1, 2, 8).abs().sum(dim=(1, 2)).nonzero().flatten().tolist()
-    assert written == [5, 6]  # only the real slots of the three real blocks
+    per_slot = cache[0, :, :3].reshape(2, -1, 8).abs().sum(dim=(0, 2))
+    assert per_slot.nonzero().flatten().tolist() == [5, 6]  # only real slots of real blocks
 
 
 def test_sliding_window_and_soft_cap_match_reference():

@@ -76,30 +76,33 @@ class TorchAttentionImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         metadata: TorchAttentionMetadata,
     ) -> torch.Tensor:
+        # Head-major layout [kv_heads, blocks, block_size, d]: gathering a request's blocks
+        # for one head yields its context as one contiguous [len, d] matrix.
         key_cache, value_cache = kv_cache.unbind(0)
-        block_size = key_cache.shape[1]
-        flat_k = key_cache.view(-1, self.num_kv_heads, self.head_size)
-        flat_v = value_cache.view(-1, self.num_kv_heads, self.head_size)
+        block_size = key_cache.shape[2]
+        flat_k = key_cache.view(self.num_kv_heads, -1, self.head_size)
+        flat_v = value_cache.view(self.num_kv_heads, -1, self.head_size)
         # The cache holds one extra block at the end: padding slots (-1) are redirected there
         # so the write needs no data-dependent indexing (which would sync with the host).
-        sink = flat_k.shape[0] - block_size
+        sink = flat_k.shape[1] - block_size
         slots = metadata.slot_mapping
         slots = torch.where(slots < 0, torch.full_like(slots, sink), slots)
-        flat_k.index_copy_(0, slots, key.to(flat_k.dtype))
-        flat_v.index_copy_(0, slots, value.to(flat_v.dtype))
+        flat_k.index_copy_(1, slots, key.transpose(0, 1).to(flat_k.dtype))
+        flat_v.index_copy_(1, slots, value.transpose(0, 1).to(flat_v.dtype))
 
         n, max_q, max_k = metadata.num_reqs, metadata.max_query_len, metadata.max_seq_len
-        kpos = torch.arange(max_k, device=query.device)
-        max_blocks = metadata.block_table.shape[1]
-        block_idx = (kpos // block_size).clamp_(max=max_blocks - 1)
-        ctx_slots = metadata.block_table[:, block_idx].long() * block_size + kpos % block_size
-        k = flat_k[ctx_slots].to(query.dtype).transpose(1, 2)  # [n, kv_heads, max_k, d]
-        v = flat_v[ctx_slots].to(query.dtype).transpose(1, 2)
+        # Whole blocks are gathered (one contiguous copy per block and head).
+        num_cols = min(-(-max_k // block_size), metadata.block_table.shape[1])
+        blocks = metadata.block_table[:, :num_cols].reshape(-1).long()
+        shape = (self.num_kv_heads, n, num_cols * block_size, self.head_size)
+        k = key_cache.index_select(1, blocks).view(shape)[:, :, :max_k].to(query.dtype)
+        v = value_cache.index_select(1, blocks).view(shape)[:, :, :max_k].to(query.dtype)
 
         q = query.new_zeros(n, max_q, self.num_heads, self.head_size)
         q[metadata.token_req, metadata.token_qpos] = query
         q = q.transpose(1, 2)  # [n, heads, max_q, d]
 
+        kpos = torch.arange(max_k, device=query.device)
         qpos = metadata.context_lens[:, None] + torch.arange(max_q, device=query.device)
         kp = kpos[None, None, :]
         allowed = (kp <= qpos[:, :, None]) & (kp < metadata.seq_lens[:, None, None])
@@ -107,26 +110,34 @@ class TorchAttentionImpl(AttentionImpl):
             allowed &= qpos[:, :, None] - kp < self.spec.sliding_window
         allowed = allowed[:, None]  # broadcast over heads
 
-        if self.spec.logits_soft_cap is None:
+        if self.spec.logits_soft_cap is None and max_q > 1:
             out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=allowed, scale=self.scale,
+                q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=allowed, scale=self.scale,
                 enable_gqa=self.num_heads != self.num_kv_heads,
             )
         else:
-            out = self._soft_capped(q, k, v, allowed)
+            # Decode steps (and soft-capping): small score tensors, so a grouped matmul that
+            # never expands K/V to every query head is cheaper than SDPA's masked path.
+            out = self._grouped(q, k, v, allowed)
         return out.transpose(1, 2)[metadata.token_req, metadata.token_qpos]
 
-    def _soft_capped(
+    def _grouped(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor
     ) -> torch.Tensor:
+        n, _, max_q, d = q.shape
         group = self.num_heads // self.num_kv_heads
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-        cap = self.spec.logits_soft_cap
-        scores = (q.float() @ k.float().transpose(-1, -2)) * self.scale
-        scores = cap * torch.tanh(scores / cap)
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        return (scores.softmax(-1) @ v.float()).to(q.dtype)
+        # [kv_heads, n, group * max_q, d]: the query heads of a group share their K/V, which
+        # arrive as [kv_heads, n, len, d], so the batched matmuls need no copies.
+        qg = q.reshape(n, self.num_kv_heads, group * max_q, d).transpose(0, 1)
+        scores = (qg @ k.transpose(-1, -2)).transpose(0, 1).float() * self.scale
+        if self.spec.logits_soft_cap is not None:
+            cap = self.spec.logits_soft_cap
+            scores = cap * torch.tanh(scores / cap)
+        scores = scores.view(n, self.num_kv_heads, group, max_q, -1)
+        scores = scores.masked_fill(~allowed[:, :, None], float("-inf"))
+        probs = scores.softmax(-1).to(v.dtype).view(n, self.num_kv_heads, group * max_q, -1)
+        out = probs.transpose(0, 1) @ v  # [kv_heads, n, group * max_q, d]
+        return out.transpose(0, 1).reshape(n, self.num_heads, max_q, d)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -152,8 +163,9 @@ class TorchAttentionBackend(AttentionBackend):
     def get_kv_cache_shape(
         cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
     ) -> tuple[int, ...]:
-        # One extra block absorbs writes of padding slots (see TorchAttentionImpl.forward).
-        return (2, num_blocks + 1, block_size, num_kv_heads, head_size)
+        # Head-major; one extra block absorbs writes of padding slots (see
+        # TorchAttentionImpl.forward).
+        return (2, num_kv_heads, num_blocks + 1, block_size, head_size)
 
     @classmethod
     def get_impl_cls(cls) -> type[AttentionImpl]:

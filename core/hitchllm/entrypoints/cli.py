@@ -7,7 +7,7 @@ import argparse
 import sys
 from typing import Any
 
-from hitchllm.entrypoints import bench_serve
+from hitchllm.entrypoints import bench_serve, bench_throughput
 from hitchllm.entrypoints.backends_table import print_backends
 from hitchllm.sampling_params import SamplingParams
 
@@ -170,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = bench.add_parser("serve", help="load-test a running OpenAI-compatible server")
     bench_serve.add_args(p)
     p.set_defaults(func=bench_serve.main)
+    p = bench.add_parser("throughput", help="offline generation throughput (vs HF generate)")
+    add_engine_args(p)
+    bench_throughput.add_args(p)
+    p.set_defaults(func=lambda a: bench_throughput.main(a, engine_kwargs(a)))
 
     p = sub.add_parser("backends", help="list attention backends and which one auto mode picks")
     p.add_argument("--model", help="checkpoint directory (default: a typical 8B-like shape)")

@@ -1,0 +1,173 @@
+"""``hitchllm bench throughput``: offline generation throughput, optionally against Hugging Face
+``generate`` on the same prompts in the same run.
+
+The workload is nano-vllm's benchmark: random prompts of random token ids with lengths uniform
+in ``--input-len``, output lengths uniform in ``--output-len``, ``ignore_eos`` so every request
+produces exactly its output length. One warm-up call, then one timed ``generate``. Greedy
+decoding on both sides. Hugging Face runs batched (``--hf-batch-size`` prompts, left-padded,
+each batch generating its longest requested output); only the requested tokens count as its
+useful output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from dataclasses import dataclass
+from datetime import date
+from pathlib import Path
+
+import torch
+
+from hitchllm.entrypoints.machine import describe_machine
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--input-len", type=int, nargs=2, default=[100, 1024],
+                        metavar=("MIN", "MAX"))
+    parser.add_argument("--output-len", type=int, nargs=2, default=[100, 1024],
+                        metavar=("MIN", "MAX"))
+    # --seed (an engine flag) also seeds the workload.
+    parser.add_argument("--dataset", choices=["random"], default="random")
+    parser.add_argument("--compare-hf", action="store_true",
+                        help="also run Hugging Face generate on the same prompts")
+    parser.add_argument("--hf-batch-size", type=int, default=64)
+    parser.add_argument("--hf-num-prompts", type=int,
+                        help="compare on the first N prompts only (both sides)")
+    parser.add_argument("--profile", type=Path, help="write a torch profiler trace here")
+    parser.add_argument("--append-results", type=Path, help="append a row to this markdown file")
+    parser.add_argument("--label", default="")
+
+
+def make_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
+    rng = random.Random(args.seed)
+    prompts, outs = [], []
+    for _ in range(args.num_prompts):
+        n_in = rng.randint(*args.input_len)
+        prompts.append([rng.randrange(vocab_size) for _ in range(n_in)])
+        outs.append(rng.randint(*args.output_len))
+    if args.hf_num_prompts:
+        prompts, outs = prompts[: args.hf_num_prompts], outs[: args.hf_num_prompts]
+    return Workload(prompts, outs)
+
+
+def run_hitchllm(llm, work: Workload, profile: Path | None) -> float:
+    from hitchllm.sampling_params import SamplingParams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+              for n in work.output_lens]
+    prompts = [{"prompt_token_ids": p} for p in work.prompts]
+    llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    _sync(llm.engine.device)
+    start = time.perf_counter()
+    if profile is None:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    else:
+        with torch.profiler.profile(record_shapes=True) as prof:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        prof.export_chrome_trace(str(profile))
+    _sync(llm.engine.device)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    if produced != work.output_tokens:
+        raise RuntimeError(f"expected {work.output_tokens} output tokens, got {produced}")
+    return elapsed
+
+
+def run_hf(model_path: str, work: Workload, dtype: torch.dtype, device: torch.device,
+           batch_size: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+    pad = model.config.pad_token_id
+    pad = 0 if pad is None else pad
+
+    def batch_inputs(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding, as decoder-only generation needs
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        return ids.to(device), mask.to(device)
+
+    def generate(prompts: list[list[int]], new_tokens: int) -> None:
+        ids, mask = batch_inputs(prompts)
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+                           min_new_tokens=new_tokens, pad_token_id=pad)
+
+    generate(work.prompts[:1], 4)  # warm-up
+    _sync(device)
+    start = time.perf_counter()
+    for i in range(0, len(work.prompts), batch_size):
+        chunk = slice(i, i + batch_size)
+        generate(work.prompts[chunk], max(work.output_lens[chunk]))
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _row(name: str, work: Workload, seconds: float) -> str:
+    return (f"| {name:<10} | {len(work.prompts):>8} | {work.prompt_tokens:>13} | "
+            f"{work.output_tokens:>13} | {seconds:>9.2f} | {work.output_tokens / seconds:>12.1f} | "
+            f"{(work.prompt_tokens + work.output_tokens) / seconds:>11.1f} |")
+
+
+HEADER = ("| engine     | requests | prompt tokens | output tokens |   seconds | output tok/s |"
+          "  total tok/s |\n|---|---|---|---|---|---|---|")
+
+
+def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
+    from hitchllm.entrypoints.llm import LLM
+
+    llm = LLM(args.model, **engine_kwargs)
+    work = make_workload(args, llm.engine.model_config.vocab_size)
+    ours = run_hitchllm(llm, work, args.profile)
+    lines = [HEADER, _row("hitchllm", work, ours)]
+    ratio = None
+    if args.compare_hf:
+        hf = run_hf(args.model, work, llm.engine.dtype, llm.engine.device, args.hf_batch_size)
+        lines.append(_row("HF generate", work, hf))
+        ratio = hf / ours
+    print("\n".join(lines))
+    if ratio is not None:
+        print(f"ratio_vs_hf={ratio:.2f}")
+    if args.append_results:
+        _append(args, lines, ratio, llm)
+    return 0
+
+
+def _append(args: argparse.Namespace, lines: list[str], ratio: float | None, llm) -> None:
+    engine = llm.engine
+    cmd = (f"hitchllm bench throughput --model MODEL --num-prompts {args.num_prompts} "
+           f"--input-len {args.input_len[0]} {args.input_len[1]} --output-len "
+           f"{args.output_len[0]} {args.output_len[1]} --seed {args.seed}"
+           + (" --compare-hf" if args.compare_hf else "")
+           + (f" --hf-num-prompts {args.hf_num_prompts}" if args.hf_num_prompts else ""))
+    with args.append_results.open("a") as f:
+        f.write(f"\n### bench throughput {args.label} ({date.today()}, {describe_machine()}, "
+                f"{str(engine.dtype).removeprefix('torch.')}, backend "
+                f"{engine.attention_backend.name})\n\n`{cmd}`\n\n" + "\n".join(lines) + "\n")
+        if ratio is not None:
+            f.write(f"\nratio_vs_hf={ratio:.2f}\n")
