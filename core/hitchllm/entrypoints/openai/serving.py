@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,22 +138,38 @@ class OpenAIServing:
         return {"id": rid, "object": "text_completion", "created": created,
                 "model": self.model_name, "choices": choices, "usage": self._usage(outputs)}
 
-    async def _stream_completions(
+    def _stream_completions(
         self, req: CompletionRequest, batch: _Batch, rid: str, created: int, stop: list[str]
     ) -> AsyncIterator[str]:
+        offsets: dict[int, int] = {}
+
+        def choice(index: int, text: str, ids: list[int], lps: list[Any]) -> dict[str, Any]:
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = self._completion_logprobs(ids, lps, offsets.get(index, 0))
+            offsets[index] = offsets.get(index, 0) + len(text)
+            return {"index": index, "text": text, "logprobs": logprobs}
+
         head = {"id": rid, "object": "text_completion", "created": created,
                 "model": self.model_name}
-        offsets: dict[int, int] = {}
+        return self._stream(req, batch, head, stop, req.logprobs is not None, choice, [])
+
+    async def _stream(
+        self, req: CompletionRequest | ChatCompletionRequest, batch: _Batch,
+        head: dict[str, Any], stop: list[str], with_logprobs: bool,
+        choice: Callable[[int, str, list[int], list[Any]], dict[str, Any]],
+        prologue: list[dict[str, Any]],
+    ) -> AsyncIterator[str]:
+        """SSE chunks: ``prologue`` choices, one chunk per update (``choice`` builds the
+        endpoint's fields), optional usage, then ``[DONE]``."""
         try:
+            for first in prologue:
+                yield sse({**head, "choices": [first]})
             async for index, seq, text, ids, lps, finished in self._stream_updates(
-                batch, stop, req.n, req.logprobs is not None
+                batch, stop, req.n, with_logprobs
             ):
-                logprobs = None
-                if req.logprobs is not None:
-                    logprobs = self._completion_logprobs(ids, lps, offsets.get(index, 0))
-                offsets[index] = offsets.get(index, 0) + len(text)
                 yield sse({**head, "choices": [{
-                    "index": index, "text": text, "logprobs": logprobs,
+                    **choice(index, text, ids, lps),
                     "finish_reason": seq.finish_reason if finished else None,
                     "stop_reason": seq.stop_reason if finished else None,
                 }]})
@@ -220,32 +236,21 @@ class OpenAIServing:
         return {"id": rid, "object": "chat.completion", "created": created,
                 "model": self.model_name, "choices": choices, "usage": self._usage([out])}
 
-    async def _stream_chat(
+    def _stream_chat(
         self, req: ChatCompletionRequest, batch: _Batch, rid: str, created: int, stop: list[str]
     ) -> AsyncIterator[str]:
+        def choice(index: int, text: str, ids: list[int], lps: list[Any]) -> dict[str, Any]:
+            return {
+                "index": index, "delta": {"content": text} if text else {},
+                "logprobs": (self._chat_logprobs(ids, lps, req.top_logprobs)
+                             if req.logprobs else None),
+            }
+
         head = {"id": rid, "object": "chat.completion.chunk", "created": created,
                 "model": self.model_name}
-        try:
-            for index in range(req.n):
-                yield sse({**head, "choices": [{
-                    "index": index, "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None, "finish_reason": None}]})
-            async for index, seq, text, ids, lps, finished in self._stream_updates(
-                batch, stop, req.n, req.logprobs
-            ):
-                delta = {"content": text} if text else {}
-                logprobs = (self._chat_logprobs(ids, lps, req.top_logprobs)
-                            if req.logprobs else None)
-                yield sse({**head, "choices": [{
-                    "index": index, "delta": delta, "logprobs": logprobs,
-                    "finish_reason": seq.finish_reason if finished else None,
-                    "stop_reason": seq.stop_reason if finished else None,
-                }]})
-            if req.stream_options and req.stream_options.include_usage:
-                yield sse({**head, "choices": [], "usage": self._streamed_usage(batch)})
-            yield sse("[DONE]")
-        finally:
-            await batch.rest.aclose()
+        roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None} for i in range(req.n)]
+        return self._stream(req, batch, head, stop, req.logprobs, choice, roles)
 
     def _chat_logprobs(
         self, token_ids: list[int], entries: list[dict[int, Logprob]], top: int | None
