@@ -32,6 +32,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -88,6 +89,8 @@ class SamplingParams:
             )
         if self.logprobs is not None and self.logprobs < 0:
             bad(f"logprobs must be >= 0 (the number of top tokens to return), got {self.logprobs}.")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            bad(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}.")
         if any(not s for s in self.stop_strings):
             bad("stop strings must be non-empty.")
         if any(t < 0 for t in self.stop_token_ids):

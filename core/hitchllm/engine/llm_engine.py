@@ -324,7 +324,8 @@ class LLMEngine:
                      for r in sched.requests}
         result = self.runner.execute(sched, block_ids)
         updated = self.scheduler.update_from_output(sched, result.sampled)
-        outputs, stopped = self.output_processor.process(updated, result.logprobs)
+        outputs, stopped = self.output_processor.process(
+            updated, result.logprobs, result.prompt_logprobs)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         if self.proposer is not None:

@@ -19,6 +19,7 @@ from hitchllm.attention import (
     set_forward_context,
 )
 from hitchllm.engine.input_batch import InputBatch
+from hitchllm.engine.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
 from hitchllm.engine.sampler import Sampler, SamplerOutput
 from hitchllm.engine.sampling_metadata import build_sampling_metadata
 from hitchllm.outputs import Logprob
@@ -33,6 +34,7 @@ class RunnerOutput:
 
     sampled: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -109,9 +111,13 @@ class ModelRunner:
         with set_forward_context(attn_metadata):
             hidden = self.model(input_ids, positions)
 
+        prompt_lps = {}
+        if any(r.sampling_params.prompt_logprobs is not None for r in requests):
+            prompt_lps = compute_prompt_logprobs(
+                self.model, hidden, requests, num_computed, common.query_start_loc_cpu.numpy())
         sample_rows = [i for i, s in enumerate(sched.samples) if s]
         if not sample_rows:
-            return RunnerOutput()
+            return RunnerOutput(prompt_logprobs=prompt_lps)
         sampling_requests = [requests[i] for i in sample_rows]
         # Each sampling row needs logits at its last token, plus one per draft token before it.
         ends = common.query_start_loc_cpu[1:].numpy()[sample_rows]
@@ -121,7 +127,9 @@ class ModelRunner:
         within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
         logits_idx = self._to_device(torch.from_numpy(first + within))
         logits = self.model.compute_logits(hidden[logits_idx])
-        return self._sample(sampling_requests, logits)
+        result = self._sample(sampling_requests, logits)
+        result.prompt_logprobs = prompt_lps
+        return result
 
     def _prepare_inputs(
         self, rows: np.ndarray, num_sched: np.ndarray, num_computed: np.ndarray

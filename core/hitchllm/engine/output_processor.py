@@ -35,6 +35,8 @@ class ParentState:
     sequences: list[SequenceState]
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    # prompt index -> entry, when prompt logprobs were asked (children share the prompt)
+    prompt_logprobs: dict[int, dict[int, Logprob]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -61,6 +63,8 @@ class OutputProcessor:
             logprobs = [] if params.logprobs is not None else None
             seqs.append(SequenceState(i, child, detok, logprobs))
         parent = ParentState(request_id, prompt, children[0].prompt_token_ids, seqs)
+        if children[0].sampling_params.prompt_logprobs is not None:
+            parent.prompt_logprobs = {}
         self.parents[request_id] = parent
         for i, child in enumerate(children):
             self._parent_of[child.request_id] = (parent, i)
@@ -73,12 +77,18 @@ class OutputProcessor:
         self,
         updated: list[Request],
         logprobs: dict[str, list[dict[int, Logprob]]],
+        prompt_logprobs: dict[str, list[tuple[int, dict[int, Logprob]]]],
     ) -> tuple[list[RequestOutput], list[str]]:
         """Fold one step's tokens in. Returns the outputs of parents that changed, and the ids
         of child requests a stop string has just finished (the engine stops them)."""
         now = time.monotonic()
         stopped: list[str] = []
         touched: dict[str, ParentState] = {}
+        for rid, entries in prompt_logprobs.items():
+            if rid in self._parent_of:
+                parent = self._parent_of[rid][0]
+                if parent.prompt_logprobs is not None:
+                    parent.prompt_logprobs.update(entries)
         for request in updated:
             parent, index = self._parent_of[request.request_id]
             seq = parent.sequences[index]
@@ -144,8 +154,13 @@ class OutputProcessor:
         metrics = {"arrival_time": parent.arrival_time}
         if parent.first_token_time is not None:
             metrics["first_token_time"] = parent.first_token_time
+        prompt_lps = None
+        if parent.prompt_logprobs is not None:
+            found = parent.prompt_logprobs
+            prompt_lps = [None] + [found.get(i) for i in range(1, len(parent.prompt_token_ids))]
         return RequestOutput(
             request_id=parent.request_id,
+            prompt_logprobs=prompt_lps,
             prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids,
             outputs=completions,

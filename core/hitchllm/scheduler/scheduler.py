@@ -147,7 +147,10 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
-            hit_blocks, num_hit = self.kv_cache.get_computed_blocks(request)
+            if request.sampling_params.prompt_logprobs is None:
+                hit_blocks, num_hit = self.kv_cache.get_computed_blocks(request)
+            else:  # every prompt position needs its logits: no prefix-cache hit
+                hit_blocks, num_hit = [], 0
             num_new = min(request.num_tokens - num_hit, budget)
             if not self.kv_cache.allocate_slots(request, num_new, hit_blocks):
                 break
