@@ -270,3 +270,15 @@ def test_bench_serve_reports_every_request(server, tmp_path, capsys):
     expected_tokens = sum(n for _, n in bench_serve.make_workload(args))
     assert f"({expected_tokens} tokens)" in out
     assert "| req/s |" in results.read_text()
+
+
+def test_unknown_route_and_parameter_errors_use_openai_shape(server, client):
+    req = urllib.request.Request(f"{server}/v1/nothing",
+                                 headers={"Authorization": f"Bearer {KEY}"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=10)
+    assert err.value.code == 404
+    assert json.loads(err.value.read())["error"]["code"] == 404
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=MODEL, prompt="x", temperature=-1.0)
+    assert bad.value.body["param"] == "temperature"

@@ -43,6 +43,7 @@ def serve(
     app = build_app(async_engine, names, tokenizer, metrics, api_key, template)
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         logger.warning("serving on %s without --api-key: anyone who can reach it can use it", host)
+    logger.info("serving %s on http://%s:%d/v1 (OpenAI-compatible)", ", ".join(names), host, port)
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
     finally:

@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import hitchllm
 from hitchllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
@@ -60,6 +61,10 @@ def build_app(
                                            "'Authorization: Bearer <key>'")
         return await call_next(request)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail))
+
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
@@ -85,7 +90,10 @@ def build_app(
         try:
             result = await handler(req)
         except ValueError as exc:
-            return error_response(400, str(exc))
+            # Parameter errors start with the field's name ("top_p must be in (0, 1]...").
+            words = str(exc).split()
+            param = words[0] if words and words[0] in type(req).model_fields else None
+            return error_response(400, str(exc), param=param)
         except EngineDeadError as exc:
             return error_response(503, str(exc))
         if isinstance(result, dict):
