@@ -194,7 +194,9 @@ class ModelRunner:
         metadata = build_sampling_metadata(
             params=[r.sampling_params for r, _ in rows],
             prompt_token_ids=[r.prompt_token_ids for r, _ in rows],
-            output_token_ids=[r.output_token_ids + r.spec_token_ids[:j] for r, j in rows],
+            # Only draft rows need a copy (their output so far includes earlier drafts).
+            output_token_ids=[r.output_token_ids + r.spec_token_ids[:j] if j else
+                              r.output_token_ids for r, j in rows],
             eos_token_ids=[r.eos_token_ids for r, _ in rows],
             generators=[self._generator_for(r) for r, _ in rows],
             default_generator=self.default_generator,

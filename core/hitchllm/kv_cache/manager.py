@@ -32,6 +32,8 @@ class KVCacheManager:
         self.extra_keys_fn = extra_keys_fn
         self.block_pool = BlockPool(num_blocks)
         self._blocks: dict[str, list[KVCacheBlock]] = {}
+        # The same blocks as ids, kept in step so the runner's per-step read copies nothing.
+        self._block_ids: dict[str, list[int]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
         # How many of a request's leading blocks were already offered to the prefix cache, so
         # each decode step only looks at the blocks it filled.
@@ -128,9 +130,13 @@ class KVCacheManager:
             return False
 
         self.block_pool.touch(hit)
-        blocks = hit + blocks
-        blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
+        new = self.block_pool.get_new_blocks(num_new_blocks)
+        if hit:  # only for a request that holds no block yet
+            blocks = list(hit)
+            self._block_ids[request.request_id] = [b.block_id for b in hit]
+        blocks.extend(new)
         self._blocks[request.request_id] = blocks
+        self._block_ids.setdefault(request.request_id, []).extend(b.block_id for b in new)
         if self._uses_hashing(request):
             if new_computed_blocks is not None:
                 # Counted on admission only, so a request that waits is not counted per retry.
@@ -156,14 +162,18 @@ class KVCacheManager:
         """Release the request's blocks and forget it; a no-op for an unknown request."""
         rid = request.request_id
         blocks = self._blocks.pop(rid, [])
+        self._block_ids.pop(rid, None)
         # Tail first: a prompt's last blocks are the least likely to be hit again.
         self.block_pool.free_blocks(reversed(blocks))
         self._hashes.pop(rid, None)
         self._num_registered.pop(rid, None)
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        """Physical block ids of the request, in token order (its block table row)."""
-        return [block.block_id for block in self._blocks.get(request_id, [])]
+        """Physical block ids of the request, in token order (its block table row).
+
+        The manager's own list, returned without copying: read it, do not change it.
+        """
+        return self._block_ids.get(request_id, [])
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block hash; only succeeds while no request holds a block."""
