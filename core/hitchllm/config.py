@@ -69,6 +69,16 @@ class EngineConfig(BaseModel):
     # A proposer from a speculative-decoding plugin, and how many draft tokens per step.
     speculative_method: str | None = None
     num_speculative_tokens: int = Field(0, ge=0, le=64)
+    # CUDA: run every step eagerly instead of replaying captured CUDA graphs for decode.
+    enforce_eager: bool = False
+    # CUDA: compile the model's elementwise ops (norms, residual adds, rotary, activation)
+    # into fused kernels with torch.compile (applies to every engine in the process).
+    enable_fusion: bool = True
+    # Schedule and prepare step n+1 while the device runs step n (ignored with speculative
+    # decoding, which needs each step's tokens before proposing).
+    async_scheduling: bool = True
+    # Decode batch sizes to capture (default: 1, 2, 4, 8, 16, ... up to max_num_seqs).
+    cuda_graph_sizes: list[int] | None = None
 
     @field_validator("dtype")
     @classmethod
@@ -85,6 +95,13 @@ class EngineConfig(BaseModel):
                 torch.device(v)
             except RuntimeError as exc:
                 raise ValueError(f"unknown device {v!r}; use auto, cpu or cuda[:N]") from exc
+        return v
+
+    @field_validator("cuda_graph_sizes")
+    @classmethod
+    def _check_graph_sizes(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (not v or min(v) < 1):
+            raise ValueError("cuda_graph_sizes must be a non-empty list of positive batch sizes")
         return v
 
     @field_validator("kv_cache_memory")

@@ -130,7 +130,9 @@ def hitchllm_before_forward(requests: list[Request], num_scheduled_tokens: list[
     ``requests`` are the step's batch rows in order; row ``i`` contributes
     ``num_scheduled_tokens[i]`` consecutive tokens to the packed batch. Use it to set up
     per-token state a wrapped layer needs (the LoRA plugin maps each token to its request's
-    adapter). Must not synchronize with the device. The return value is ignored.
+    adapter). Must not synchronize with the device. On CUDA, decode steps replay a CUDA graph
+    captured at start-up (padded to a capture size), so state the forward reads must sit in
+    device tensors allocated once and updated in place. The return value is ignored.
     """
 
 

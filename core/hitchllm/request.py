@@ -63,6 +63,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
+    # Tokens sampled (or being sampled) on the device that the host has not seen yet.
+    num_pending_tokens: int = 0
     # Draft tokens proposed by a speculative decoder for the next step.
     spec_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

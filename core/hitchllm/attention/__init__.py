@@ -6,6 +6,7 @@ from hitchllm.attention.backend import (
     AttentionMetadataBuilder,
     AttentionSpec,
     CommonAttentionMetadata,
+    CudaGraphSupport,
 )
 from hitchllm.attention.forward_context import get_forward_context, set_forward_context
 from hitchllm.attention.layer import Attention
@@ -24,6 +25,7 @@ __all__ = [
     "AttentionMetadataBuilder",
     "AttentionSpec",
     "CommonAttentionMetadata",
+    "CudaGraphSupport",
     "TorchAttentionBackend",
     "get_forward_context",
     "rank_backends",

@@ -13,6 +13,7 @@ Four roles:
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -66,6 +67,27 @@ class CommonAttentionMetadata:
     num_actual_tokens: int
     max_query_len: int
     max_seq_len: int
+    # True when this batch is captured into, or replayed from, a CUDA graph (see
+    # ``CudaGraphSupport``): then the device tensors above are views of buffers that stay in
+    # place for the engine's lifetime, ``num_reqs`` counts padding requests too (query length
+    # 1, ``seq_lens`` 0, slot -1), and ``max_seq_len`` is the engine's ``max_model_len``, an
+    # upper bound rather than this step's value.
+    cuda_graph: bool = False
+
+
+class CudaGraphSupport(enum.Enum):
+    """Whether a backend's kernels can be captured into CUDA graphs, and for which batches."""
+
+    #: Never captured: every step runs eagerly.
+    NEVER = "never"
+    #: Batches where every request has exactly one new token (decode steps) are captured at a
+    #: ladder of batch sizes and replayed. The backend's builder must then keep every device
+    #: tensor its metadata references in persistent buffers (allocated once, updated in place
+    #: by each ``build`` with ``common.cuda_graph`` set), and its impl may allocate only
+    #: through PyTorch's caching allocator (``torch.empty``), never read device values back to
+    #: the host, and launch the same kernels with the same arguments for a given padded batch
+    #: size whatever the values in the buffers.
+    UNIFORM_DECODE = "uniform_decode"
 
 
 class AttentionImpl(ABC):
@@ -116,6 +138,8 @@ class AttentionBackend(ABC):
 
     name: ClassVar[str]
     priority: ClassVar[int] = 0
+    #: Which batches the engine may capture into CUDA graphs with this backend.
+    cuda_graph_support: ClassVar[CudaGraphSupport] = CudaGraphSupport.NEVER
 
     @classmethod
     @abstractmethod

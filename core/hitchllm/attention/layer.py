@@ -30,8 +30,8 @@ class Attention(nn.Module):
         self.impl: AttentionImpl | None = None
         self.kv_cache: torch.Tensor | None = None
 
-    def bind(self, impl: AttentionImpl, kv_cache: torch.Tensor) -> None:
-        """Attach the kernel and this layer's KV-cache tensor."""
+    def bind(self, impl: AttentionImpl | None, kv_cache: torch.Tensor | None) -> None:
+        """Attach the kernel and this layer's KV-cache tensor (None, None detaches them)."""
         self.impl = impl
         self.kv_cache = kv_cache
 

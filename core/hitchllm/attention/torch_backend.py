@@ -2,8 +2,10 @@
 
 It runs anywhere PyTorch runs and supports everything the core supports (GQA, sliding window,
 logits soft-cap, chunked prefill over a cached prefix, mixed prefill/decode batches). It is
-written for clarity, not speed: each step gathers every request's context from the paged
-cache into a padded [num_reqs, max_seq_len] tensor and attends with one masked SDPA call.
+written for clarity first: each step gathers each request's context from the paged cache into
+contiguous tensors. Requests with several new tokens (prompts) attend one by one through SDPA,
+causal without a mask where they have no cached prefix; decodes attend together, padded to the
+longest context, with a grouped matmul that never copies K/V per query head.
 """
 
 from __future__ import annotations
@@ -26,47 +28,89 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @dataclass
-class TorchAttentionMetadata:
-    """Per-step metadata for the TORCH backend."""
+class BatchedRequests:
+    """Requests attended together, padded to the longest query and context among them."""
 
-    slot_mapping: torch.Tensor  # [num_tokens] int64
-    block_table: torch.Tensor  # [num_reqs, max_blocks] int32
-    seq_lens: torch.Tensor  # [num_reqs] int64
-    context_lens: torch.Tensor  # [num_reqs] int64: tokens cached before this step
-    token_req: torch.Tensor  # [num_tokens] int64: which request each packed token belongs to
-    token_qpos: torch.Tensor  # [num_tokens] int64: index of the token within its request's query
+    token_idx: torch.Tensor  # [num_tokens] int64: packed index of each of their tokens
+    block_table: torch.Tensor  # [n, max_blocks] int32
+    seq_lens: torch.Tensor  # [n] int64
+    context_lens: torch.Tensor  # [n] int64: tokens cached before this step
+    token_req: torch.Tensor  # [num_tokens] int64: which of the n requests each token is
+    token_qpos: torch.Tensor  # [num_tokens] int64: index of the token within its query
     num_reqs: int
     max_query_len: int
     max_seq_len: int
 
 
+@dataclass
+class PrefillRequest:
+    """A request with several new tokens, attended on its own."""
+
+    row: int  # request index in the step
+    query_start: int
+    query_len: int
+    context_len: int  # tokens cached before this step: the causal offset
+
+
+@dataclass
+class TorchAttentionMetadata:
+    """Per-step metadata for the TORCH backend: requests with several new tokens (prefills,
+    prompt chunks, speculative drafts) each run alone through SDPA's causal path; the others
+    (decodes) run together, padded. With logits soft-capping every request is batched."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    block_table: torch.Tensor  # [num_reqs, max_blocks] int32
+    batched: BatchedRequests | None
+    prefills: list[PrefillRequest]
+
+
 class TorchAttentionMetadataBuilder(AttentionMetadataBuilder):
-    """Computes each packed token's (request, query position) once per step, on the host."""
+    """Splits the step's requests into the batched group and the ones run alone, on the host."""
 
     def build(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
         n = common.num_reqs
         qsl = common.query_start_loc_cpu[: n + 1].long()
         query_lens = qsl[1:] - qsl[:-1]
-        num_tokens = common.num_actual_tokens
-        token_req = torch.repeat_interleave(torch.arange(n), query_lens, output_size=num_tokens)
-        token_qpos = torch.arange(num_tokens) - qsl[:-1][token_req]
+        context_lens = common.num_computed_tokens_cpu[:n].long()
+        alone = (query_lens > 1) & (self.spec.logits_soft_cap is None)
+        prefills = [PrefillRequest(i, int(qsl[i]), int(query_lens[i]), int(context_lens[i]))
+                    for i in torch.nonzero(alone).flatten().tolist()]
+        batched = None
+        rows = torch.nonzero(~alone).flatten()
+        if len(rows):
+            lens = query_lens[rows]
+            num_tokens = int(lens.sum())
+            token_req = torch.repeat_interleave(torch.arange(len(rows)), lens,
+                                                output_size=num_tokens)
+            starts = torch.cumsum(lens, 0) - lens
+            token_qpos = torch.arange(num_tokens) - starts[token_req]
+            token_idx = qsl[rows][token_req] + token_qpos
+            seq_lens = common.seq_lens_cpu[:n].long()[rows]
+            rows_dev = self._to_device(rows)
+            batched = BatchedRequests(
+                token_idx=self._to_device(token_idx),
+                block_table=common.block_table[:n][rows_dev],
+                seq_lens=self._to_device(seq_lens),
+                context_lens=self._to_device(context_lens[rows]),
+                token_req=self._to_device(token_req),
+                token_qpos=self._to_device(token_qpos),
+                num_reqs=len(rows),
+                max_query_len=int(lens.max()),
+                max_seq_len=int(seq_lens.max()),
+            )
         return TorchAttentionMetadata(
-            slot_mapping=common.slot_mapping[:num_tokens],
+            slot_mapping=common.slot_mapping[: common.num_actual_tokens],
             block_table=common.block_table[:n],
-            seq_lens=common.seq_lens[:n].long(),
-            context_lens=common.num_computed_tokens_cpu[:n].long().to(
-                self.device, non_blocking=True
-            ),
-            token_req=token_req.to(self.device, non_blocking=True),
-            token_qpos=token_qpos.to(self.device, non_blocking=True),
-            num_reqs=n,
-            max_query_len=common.max_query_len,
-            max_seq_len=common.max_seq_len,
+            batched=batched,
+            prefills=prefills,
         )
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
 
 
 class TorchAttentionImpl(AttentionImpl):
-    """Masked SDPA over each request's context gathered from the paged cache."""
+    """SDPA over each request's context gathered from the paged cache."""
 
     def forward(
         self,
@@ -87,39 +131,80 @@ class TorchAttentionImpl(AttentionImpl):
         sink = flat_k.shape[1] - block_size
         slots = metadata.slot_mapping
         slots = torch.where(slots < 0, torch.full_like(slots, sink), slots)
-        flat_k.index_copy_(1, slots, key.transpose(0, 1).to(flat_k.dtype))
-        flat_v.index_copy_(1, slots, value.transpose(0, 1).to(flat_v.dtype))
+        flat_k.index_copy_(1, slots, key[: len(slots)].transpose(0, 1).to(flat_k.dtype))
+        flat_v.index_copy_(1, slots, value[: len(slots)].transpose(0, 1).to(flat_v.dtype))
 
-        n, max_q, max_k = metadata.num_reqs, metadata.max_query_len, metadata.max_seq_len
-        # Whole blocks are gathered (one contiguous copy per block and head).
-        num_cols = min(-(-max_k // block_size), metadata.block_table.shape[1])
-        blocks = metadata.block_table[:, :num_cols].reshape(-1).long()
-        shape = (self.num_kv_heads, n, num_cols * block_size, self.head_size)
-        k = key_cache.index_select(1, blocks).view(shape)[:, :, :max_k].to(query.dtype)
-        v = value_cache.index_select(1, blocks).view(shape)[:, :, :max_k].to(query.dtype)
+        out = torch.zeros_like(query)
+        for p in metadata.prefills:
+            out[p.query_start : p.query_start + p.query_len] = self._attend_alone(
+                query[p.query_start : p.query_start + p.query_len], key_cache, value_cache,
+                metadata.block_table[p.row], p.context_len)
+        if metadata.batched is not None:
+            b = metadata.batched
+            out[b.token_idx] = self._attend_batched(query[b.token_idx], key_cache, value_cache, b)
+        return out
+
+    def _gather(
+        self, cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Whole blocks of ``block_table`` ([..., cols]) as [kv_heads, ..., cols * block, d]."""
+        block_size = cache.shape[2]
+        blocks = block_table.reshape(-1).long()
+        # Selecting rows of a [kv_heads, blocks, block_size * d] view copies whole blocks at
+        # a time, several times faster than selecting along dim 1 of the 4-d cache.
+        rows = cache.view(self.num_kv_heads, cache.shape[1], -1).index_select(1, blocks)
+        shape = (self.num_kv_heads, *block_table.shape, block_size, self.head_size)
+        return rows.view(shape).flatten(-3, -2)[..., :num_tokens, :].to(dtype)
+
+    def _attend_alone(
+        self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+        block_table: torch.Tensor, context_len: int,
+    ) -> torch.Tensor:
+        """One request's ``q_len`` new tokens over its ``context_len + q_len`` context."""
+        q_len = q.shape[0]
+        seq_len = context_len + q_len
+        cols = -(-seq_len // key_cache.shape[2])
+        k = self._gather(key_cache, block_table[:cols], seq_len, q.dtype)[None]
+        v = self._gather(value_cache, block_table[:cols], seq_len, q.dtype)[None]
+        q = q.transpose(0, 1)[None]  # [1, heads, q_len, d]
+        gqa = self.num_heads != self.num_kv_heads
+        window = self.spec.sliding_window
+        if context_len == 0 and (window is None or window >= seq_len):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                                 enable_gqa=gqa)
+        else:  # causal with an offset (SDPA's is_causal aligns top-left), maybe windowed
+            qpos = context_len + torch.arange(q_len, device=q.device)[:, None]
+            kpos = torch.arange(seq_len, device=q.device)[None, :]
+            allowed = kpos <= qpos
+            if window is not None:
+                allowed &= qpos - kpos < window
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale,
+                                                 enable_gqa=gqa)
+        return out[0].transpose(0, 1)
+
+    def _attend_batched(
+        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+        b: BatchedRequests,
+    ) -> torch.Tensor:
+        """Several requests at once, padded: queries to the longest query, contexts to the
+        longest context, with a mask."""
+        n, max_q, max_k = b.num_reqs, b.max_query_len, b.max_seq_len
+        cols = min(-(-max_k // key_cache.shape[2]), b.block_table.shape[1])
+        k = self._gather(key_cache, b.block_table[:, :cols], max_k, query.dtype)
+        v = self._gather(value_cache, b.block_table[:, :cols], max_k, query.dtype)
 
         q = query.new_zeros(n, max_q, self.num_heads, self.head_size)
-        q[metadata.token_req, metadata.token_qpos] = query
+        q[b.token_req, b.token_qpos] = query
         q = q.transpose(1, 2)  # [n, heads, max_q, d]
 
         kpos = torch.arange(max_k, device=query.device)
-        qpos = metadata.context_lens[:, None] + torch.arange(max_q, device=query.device)
+        qpos = b.context_lens[:, None] + torch.arange(max_q, device=query.device)
         kp = kpos[None, None, :]
-        allowed = (kp <= qpos[:, :, None]) & (kp < metadata.seq_lens[:, None, None])
+        allowed = (kp <= qpos[:, :, None]) & (kp < b.seq_lens[:, None, None])
         if self.spec.sliding_window is not None:
             allowed &= qpos[:, :, None] - kp < self.spec.sliding_window
-        allowed = allowed[:, None]  # broadcast over heads
-
-        if self.spec.logits_soft_cap is None and max_q > 1:
-            out = F.scaled_dot_product_attention(
-                q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=allowed, scale=self.scale,
-                enable_gqa=self.num_heads != self.num_kv_heads,
-            )
-        else:
-            # Decode steps (and soft-capping): small score tensors, so a grouped matmul that
-            # never expands K/V to every query head is cheaper than SDPA's masked path.
-            out = self._grouped(q, k, v, allowed)
-        return out.transpose(1, 2)[metadata.token_req, metadata.token_qpos]
+        out = self._grouped(q, k, v, allowed[:, None])
+        return out.transpose(1, 2)[b.token_req, b.token_qpos]
 
     def _grouped(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor

@@ -13,17 +13,21 @@ from transformers import AutoTokenizer
 
 from hitchllm.attention import AttentionSpec, select_attention_backend
 from hitchllm.config import EngineConfig, ModelConfig, parse_size
+from hitchllm.engine.cuda_graphs import default_capture_sizes
+from hitchllm.engine.kv_sizing import MemorySnapshot, cuda_kv_cache_bytes
 from hitchllm.engine.model_runner import ModelRunner
 from hitchllm.engine.output_processor import OutputProcessor
+from hitchllm.engine.runner_output import PendingOutput
 from hitchllm.kv_cache.manager import KVCacheManager
 from hitchllm.logger import init_logging
+from hitchllm.models import fused
 from hitchllm.models.loader import load_model
 from hitchllm.outputs import RequestOutput
 from hitchllm.plugins import get_plugin_registry
 from hitchllm.request import Request, RequestStatus
 from hitchllm.sampling_params import SamplingParams
 from hitchllm.scheduler.policy import PreemptionPolicy
-from hitchllm.scheduler.scheduler import Scheduler, SchedulerConfig
+from hitchllm.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +82,30 @@ class LLMEngine:
         )
         logger.info("Using attention backend %s", self.attention_backend.name)
 
+        cuda = self.device.type == "cuda"
+        memory_at_start = MemorySnapshot.take(self.device) if cuda else None
+        fused.set_fusion(config.enable_fusion)
         model = load_model(mc, self.registry, self.device, self.dtype, config.quantization)
         self.registry.hook.hitchllm_model_loaded(model=model, engine_config=config)
-        self.num_kv_blocks = self._num_kv_blocks()
+        max_num_tokens = config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        self.runner = ModelRunner(
+            model, self.attention_backend, spec, config.max_num_seqs, max_num_tokens,
+            self.max_model_len, mc.vocab_size, self.device, config.seed,
+            before_forward=self.registry.hook.hitchllm_before_forward,
+            cuda_graph_sizes=config.cuda_graph_sizes
+            or default_capture_sizes(min(config.max_num_seqs, max_num_tokens)),
+        )
+        self.num_kv_blocks = self._num_kv_blocks(memory_at_start)
+        self.runner.initialize_kv_cache(self.num_kv_blocks)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d, so at most %.2f "
+            "requests of full length at once; device %s, %s",
+            self.num_kv_blocks, config.block_size, self.kv_capacity_tokens, self.max_model_len,
+            self.kv_capacity_tokens / self.max_model_len, self.device,
+            str(self.dtype).removeprefix("torch."),
+        )
+        if not config.enforce_eager:
+            self.runner.capture_cuda_graphs()
         self.kv_cache = KVCacheManager(
             self.num_kv_blocks, config.block_size, config.enable_prefix_caching,
             extra_keys_fn=self._block_hash_extra_keys,
@@ -88,27 +113,20 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens
-                or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                max_num_batched_tokens=max_num_tokens,
                 max_model_len=self.max_model_len,
                 policy=PreemptionPolicy(config.scheduling_policy),
             ),
             self.kv_cache,
         )
-        self.runner = ModelRunner(
-            model, self.attention_backend, spec, self.num_kv_blocks, config.max_num_seqs,
-            self.max_model_len, mc.vocab_size, self.device, config.seed,
-            before_forward=self.registry.hook.hitchllm_before_forward,
-        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.vocab_size = mc.vocab_size
         self.proposer = self._build_proposer()
         self._request_counter = itertools.count()
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d; device %s, %s",
-            self.num_kv_blocks, config.block_size, self.kv_capacity_tokens, self.max_model_len,
-            self.device, str(self.dtype).removeprefix("torch."),
-        )
+        # Overlap: the launched step whose tokens are not folded in yet (see ``step``).
+        # (On a CPU the step is done when launched; overlapping changes nothing but the order.)
+        self._overlap = config.async_scheduling and self.proposer is None
+        self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
 
     # ---- set-up ------------------------------------------------------------------------
 
@@ -124,7 +142,7 @@ class LLMEngine:
             )
         return asked
 
-    def _num_kv_blocks(self) -> int:
+    def _num_kv_blocks(self, memory_at_start: MemorySnapshot | None) -> int:
         cfg, mc = self.config, self.model_config
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
@@ -133,8 +151,10 @@ class LLMEngine:
                      * mc.head_dim * elem)
         if cfg.kv_cache_memory is not None:
             budget = parse_size(cfg.kv_cache_memory)
-        elif self.device.type == "cuda":
-            budget = self._cuda_kv_budget()
+        elif memory_at_start is not None:
+            budget = cuda_kv_cache_bytes(self.device, memory_at_start,
+                                         self.runner.measure_peak_memory(),
+                                         cfg.gpu_memory_utilization)
         else:
             budget = DEFAULT_CPU_KV_CACHE_MEMORY
         # More blocks than every sequence at full length could use only costs memory.
@@ -143,22 +163,10 @@ class LLMEngine:
         if num_blocks * cfg.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache fits {num_blocks * cfg.block_size} tokens, fewer than one "
-                f"max_model_len={self.max_model_len} request; raise kv_cache_memory or "
-                "gpu_memory_utilization, or lower max_model_len"
+                f"max_model_len={self.max_model_len} request; lower max_model_len, or raise "
+                "gpu_memory_utilization (CUDA) or kv_cache_memory"
             )
         return int(num_blocks)
-
-    def _cuda_kv_budget(self) -> int:
-        # A rough reserve for activations of the largest step; the memory profile of a
-        # worst-case forward replaces this estimate in the GPU performance work.
-        cfg, mc = self.config, self.model_config
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        tokens = cfg.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        activations = tokens * (4 * mc.hidden_size + 4 * mc.intermediate_size) * elem
-        logits = cfg.max_num_seqs * mc.vocab_size * 4 * 3
-        used = torch.cuda.memory_allocated(self.device)
-        return int(total * cfg.gpu_memory_utilization) - used - activations - logits
 
     def _build_proposer(self) -> Any:
         name = self.config.speculative_method
@@ -226,9 +234,11 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         lora_request: Any = None,
+        final_only: bool = False,
     ) -> str:
         """Validate and queue a request; returns its id. Raises ``ValueError`` for a request
-        that can never be served (nothing is queued then)."""
+        that can never be served (nothing is queued then). With ``final_only`` the request
+        appears in ``step()``'s outputs only once, finished (offline generation)."""
         params = params or SamplingParams()
         if request_id is None:
             request_id = str(next(self._request_counter))
@@ -256,7 +266,7 @@ class LLMEngine:
             ))
         for child in children:
             self.registry.hook.hitchllm_request_added(request=child, engine_config=self.config)
-        self.output_processor.add(request_id, text, children)
+        self.output_processor.add(request_id, text, children, final_only)
         for child in children:
             self.scheduler.add_request(child)
         return request_id
@@ -311,18 +321,52 @@ class LLMEngine:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     # ---- the loop ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns the outputs of requests that made progress."""
+        """Run one engine step; returns the outputs of requests that made progress.
+
+        With overlap (``async_scheduling``), the step launched here completes in the next
+        call: this call returns the outputs of the previous step, after launching the
+        new one so that the device is never idle while the host schedules, prepares inputs
+        and detokenizes. A request that stops is then computed one step too many; that
+        token is dropped.
+        """
         sched = self.scheduler.schedule()
-        if sched.is_empty and self.scheduler.has_unfinished_requests():
+        outputs: list[RequestOutput] = []
+        if self._in_flight is not None and not self._may_overlap(sched):
+            outputs = self._complete(*self._in_flight)
+            self._in_flight = None
+        if sched.is_empty and self._in_flight is None and self.scheduler.has_unfinished_requests():
             raise RuntimeError("scheduler made no progress with unfinished requests queued")
         block_ids = {r.request_id: self.kv_cache.get_block_ids(r.request_id)
                      for r in sched.requests}
-        result = self.runner.execute(sched, block_ids)
+        launched = (sched, self.runner.execute_async(sched, block_ids))
+        if self._in_flight is not None:
+            outputs += self._complete(*self._in_flight)
+            self._in_flight = None
+        if self._overlap and not sched.is_empty:
+            self._in_flight = launched
+        else:
+            outputs += self._complete(*launched)
+        return outputs
+
+    def _may_overlap(self, sched: SchedulerOutput) -> bool:
+        """Whether ``sched`` may launch before the step in flight completes: not when a
+        request's sampling depends on output tokens the host has not seen (penalties, and
+        min_tokens still counting)."""
+        for r in sched.requests:
+            p = r.sampling_params
+            if (p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+                    or r.num_output_tokens < p.min_tokens):
+                return False
+        return True
+
+    def _complete(self, sched: SchedulerOutput, pending: PendingOutput) -> list[RequestOutput]:
+        """Wait for a launched step's tokens and fold them into requests and outputs."""
+        result = pending.result()
         updated = self.scheduler.update_from_output(sched, result.sampled)
         outputs, stopped = self.output_processor.process(
             updated, result.logprobs, result.prompt_logprobs)

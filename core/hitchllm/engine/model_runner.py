@@ -4,7 +4,6 @@ happens, sampling. Owns the KV-cache tensors and the backend's metadata builder.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -16,84 +15,187 @@ from hitchllm.attention import (
     AttentionBackend,
     AttentionSpec,
     CommonAttentionMetadata,
+    CudaGraphSupport,
     set_forward_context,
 )
+from hitchllm.engine.cuda_graphs import DecodeGraphs
 from hitchllm.engine.input_batch import InputBatch
-from hitchllm.engine.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
-from hitchllm.engine.sampler import Sampler, SamplerOutput
+from hitchllm.engine.prompt_logprobs import compute_prompt_logprobs
+from hitchllm.engine.runner_output import PendingOutput, RunnerOutput
+from hitchllm.engine.sampler import Sampler
 from hitchllm.engine.sampling_metadata import build_sampling_metadata
-from hitchllm.outputs import Logprob
+from hitchllm.engine.step_buffers import StepBuffers
 from hitchllm.request import Request
+from hitchllm.sampling_params import SamplingParams
 from hitchllm.scheduler.scheduler import SchedulerOutput
 
 
-@dataclass
-class RunnerOutput:
-    """Tokens emitted per request id this step (more than one when drafts were accepted),
-    and, when asked, one logprobs entry per emitted token."""
-
-    sampled: dict[str, list[int]] = field(default_factory=dict)
-    logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)
-    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
-
-
 class ModelRunner:
-    """Executes scheduled batches of one model with one attention backend."""
+    """Executes scheduled batches of one model with one attention backend.
+
+    Set-up order: construct, ``initialize_kv_cache(num_blocks)`` (on CUDA the engine first
+    calls ``measure_peak_memory`` to size the cache), then ``capture_cuda_graphs()`` when
+    graphs are wanted.
+    """
 
     def __init__(
         self,
         model: nn.Module,
         backend: type[AttentionBackend],
         spec: AttentionSpec,
-        num_blocks: int,
         max_num_seqs: int,
+        max_num_tokens: int,
         max_model_len: int,
         vocab_size: int,
         device: torch.device,
         seed: int,
         before_forward: Callable[..., Any] | None = None,
+        cuda_graph_sizes: list[int] | None = None,
     ) -> None:
         self.model = model
+        self.backend = backend
+        self.spec = spec
         self.device = device
         self.before_forward = before_forward
         self.block_size = spec.block_size
         self.vocab_size = vocab_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_tokens = max_num_tokens
+        self.max_model_len = max_model_len
         max_blocks_per_req = -(-max_model_len // spec.block_size)
         self.input_batch = InputBatch(max_num_seqs, max_model_len, max_blocks_per_req)
-        self.kv_caches = self._bind_attention(backend, spec, num_blocks)
+        self.buffers = StepBuffers(max_num_tokens, max_num_seqs, max_blocks_per_req, device)
         self.builder = backend.get_builder_cls()(spec, device)
-        self.sampler = Sampler()
-        self.default_generator = torch.Generator(device).manual_seed(seed)
-        self._generators: dict[str, torch.Generator] = {}
-
-    def _bind_attention(
-        self, backend: type[AttentionBackend], spec: AttentionSpec, num_blocks: int
-    ) -> list[torch.Tensor]:
-        layers = sorted(
+        self.layers = sorted(
             (m for m in self.model.modules() if isinstance(m, Attention)),
             key=lambda m: m.layer_index,
         )
-        impl_cls = backend.get_impl_cls()
-        caches = []
-        for layer in layers:
-            shape = backend.get_kv_cache_shape(
-                num_blocks, spec.block_size, layer.num_kv_heads, layer.head_size
+        self.kv_caches: list[torch.Tensor] = []
+        # Uniform decode batches up to the largest size are padded to a capture size (and
+        # replayed from a graph once ``capture_cuda_graphs`` ran), so eager and graph runs of
+        # the same batch launch the very same kernels.
+        graphs_possible = (device.type == "cuda"
+                           and backend.cuda_graph_support is CudaGraphSupport.UNIFORM_DECODE)
+        sizes = [s for s in cuda_graph_sizes or [] if s <= min(max_num_seqs, max_num_tokens)]
+        self.graphs = DecodeGraphs(sizes) if graphs_possible and sizes else None
+        self.sampler = Sampler()
+        # The newest sampled token of each input-batch row, kept on the device for a next
+        # step scheduled before the host has seen it.
+        self.last_sampled = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
+        self._sampled_host = [torch.zeros(max_num_tokens, dtype=torch.int64,
+                                          pin_memory=device.type == "cuda") for _ in range(2)]
+        self._sampled_slot = 0
+        self._inputs_copied: torch.cuda.Event | None = None
+        self.default_generator = torch.Generator(device).manual_seed(seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    # ---- set-up ------------------------------------------------------------------------
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate every layer's KV cache with ``num_blocks`` blocks and bind it."""
+        self.kv_caches = []
+        for layer in self.layers:
+            layer.bind(None, None)  # drop an earlier cache before allocating the next
+        impl_cls = self.backend.get_impl_cls()
+        for layer in self.layers:
+            shape = self.backend.get_kv_cache_shape(
+                num_blocks, self.block_size, layer.num_kv_heads, layer.head_size
             )
-            cache = torch.zeros(shape, dtype=spec.kv_cache_dtype, device=self.device)
-            impl = impl_cls(layer.num_heads, layer.head_size, layer.scale, layer.num_kv_heads, spec)
+            cache = torch.zeros(shape, dtype=self.spec.kv_cache_dtype, device=self.device)
+            impl = impl_cls(layer.num_heads, layer.head_size, layer.scale, layer.num_kv_heads,
+                            self.spec)
             layer.bind(impl, cache)
-            caches.append(cache)
-        return caches
+            self.kv_caches.append(cache)
 
     @torch.inference_mode()
+    def measure_peak_memory(self) -> int:
+        """Peak bytes PyTorch allocates in a worst-case step: a forward over
+        ``max_num_tokens`` prompt tokens, then logits and sampling (top-k, top-p, min-p,
+        penalties, logprobs) for ``max_num_seqs`` rows. Runs on a one-block KV cache (no slot
+        is written; every block-table entry points at that block), which is freed again."""
+        self.initialize_kv_cache(1)
+        b = self.buffers
+        num_tokens = self.max_num_tokens
+        num_reqs = min(self.max_num_seqs, -(-num_tokens // self.max_model_len))
+        lens = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int64)
+        lens[: num_tokens % num_reqs] += 1
+        starts = np.cumsum(lens) - lens
+        b.input_ids.np[:num_tokens] = 0
+        b.positions.np[:num_tokens] = np.arange(num_tokens) - np.repeat(starts, lens)
+        b.slot_mapping.np[:num_tokens] = -1
+        common = self._common_metadata(
+            lens, np.zeros(num_reqs, dtype=np.int64),
+            np.zeros((num_reqs, -(-int(lens.max()) // self.block_size)), dtype=np.int32),
+            num_tokens, cuda_graph=False)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        hidden = self._eager_forward(b.input_ids.to_device(num_tokens),
+                                     b.positions.to_device(num_tokens),
+                                     self.builder.build(common))
+        rows = torch.arange(self.max_num_seqs, device=self.device) % num_tokens
+        logits = self.model.compute_logits(hidden[rows])
+        worst = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05,
+                               repetition_penalty=1.1, presence_penalty=0.1, logprobs=20)
+        metadata = build_sampling_metadata(
+            params=[worst] * self.max_num_seqs, prompt_token_ids=[[0]] * self.max_num_seqs,
+            output_token_ids=[[0]] * self.max_num_seqs, eos_token_ids=[None] * self.max_num_seqs,
+            generators=[None] * self.max_num_seqs, default_generator=self.default_generator,
+            vocab_size=self.vocab_size, device=self.device)
+        self.sampler(logits, metadata)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del hidden, logits, metadata
+        for layer in self.layers:
+            layer.bind(None, None)
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+        return peak
+
+    @torch.inference_mode()
+    def capture_cuda_graphs(self) -> None:
+        """Capture the decode forward at every graph size (after ``initialize_kv_cache``)."""
+        if self.graphs is None:
+            return
+        b = self.buffers
+
+        def prepare(size: int) -> None:
+            # A batch of padding requests: the graph's kernels do not depend on the values.
+            self._pad_decode_inputs(0, size)
+            common = self._common_metadata(
+                np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64),
+                np.zeros((0, 1), dtype=np.int32), 0, cuda_graph=True, padded_reqs=size)
+            self._graph_metadata = self.builder.build(common)
+
+        def forward(size: int) -> torch.Tensor:
+            return self._eager_forward(b.input_ids.device[:size], b.positions.device[:size],
+                                       self._graph_metadata)
+
+        self.graphs.capture(prepare, forward)
+        del self._graph_metadata
+
+    # ---- one step ----------------------------------------------------------------------
+
     def execute(self, sched: SchedulerOutput, block_ids: dict[str, list[int]]) -> RunnerOutput:
-        """Run the batch; ``block_ids`` maps each scheduled request id to its block list."""
+        """Run the batch and wait for its output."""
+        return self.execute_async(sched, block_ids).result()
+
+    @torch.inference_mode()
+    def execute_async(
+        self, sched: SchedulerOutput, block_ids: dict[str, list[int]]
+    ) -> PendingOutput:
+        """Launch the batch; ``block_ids`` maps each scheduled request id to its block list.
+
+        Returns before the device finishes (except for prompt logprobs, which are read back
+        here). A scheduled token the host has not seen yet (the pending token of a request
+        whose previous step is still running) is taken from that step's sampled tokens on
+        the device.
+        """
         for rid in sched.released_ids:
             self.input_batch.release(rid)
         for rid in sched.finished_ids:
             self._generators.pop(rid, None)
         if sched.is_empty:
-            return RunnerOutput()
+            return PendingOutput()
 
         requests = sched.requests
         rows = np.fromiter(
@@ -101,143 +203,196 @@ class ModelRunner:
             dtype=np.int64, count=len(requests),
         )
         num_sched = np.asarray(sched.num_scheduled_tokens, dtype=np.int64)
-        num_computed = np.fromiter(
-            (r.num_computed_tokens for r in requests), dtype=np.int64, count=len(requests)
-        )
-        common, input_ids, positions = self._prepare_inputs(rows, num_sched, num_computed)
+        num_computed = np.asarray(sched.num_computed_tokens, dtype=np.int64)
+        graph_size = None
+        if self.graphs is not None and len(num_sched) == int(num_sched.sum()):
+            graph_size = self.graphs.padded_size(len(num_sched))
+        sample_rows = [i for i, s in enumerate(sched.samples) if s]
+        sampling = [(requests[i], list(requests[i].spec_token_ids)) for i in sample_rows]
+        common, input_ids, positions, logits_idx = self._prepare_inputs(
+            rows, num_sched, num_computed, graph_size, requests, sample_rows, sampling)
         attn_metadata = self.builder.build(common)
         if self.before_forward is not None:
             self.before_forward(requests=requests, num_scheduled_tokens=sched.num_scheduled_tokens)
-        with set_forward_context(attn_metadata):
-            hidden = self.model(input_ids, positions)
+        if graph_size is not None and self.graphs is not None and self.graphs.captured:
+            hidden = self._forward_graph(graph_size)
+        else:
+            hidden = self._eager_forward(input_ids, positions, attn_metadata)
 
         prompt_lps = {}
         if any(r.sampling_params.prompt_logprobs is not None for r in requests):
             prompt_lps = compute_prompt_logprobs(
-                self.model, hidden, requests, num_computed, common.query_start_loc_cpu.numpy())
-        sample_rows = [i for i, s in enumerate(sched.samples) if s]
-        if not sample_rows:
-            return RunnerOutput(prompt_logprobs=prompt_lps)
-        sampling_requests = [requests[i] for i in sample_rows]
-        # Each sampling row needs logits at its last token, plus one per draft token before it.
-        ends = common.query_start_loc_cpu[1:].numpy()[sample_rows]
-        counts = np.fromiter((len(r.spec_token_ids) + 1 for r in sampling_requests),
-                             dtype=np.int64, count=len(sampling_requests))
-        first = np.repeat(ends - counts, counts)
-        within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-        logits_idx = self._to_device(torch.from_numpy(first + within))
+                self.model, hidden, requests, num_computed, self.buffers.query_start_loc.np)
+        if not sampling:
+            return PendingOutput(prompt_logprobs=prompt_lps)
         logits = self.model.compute_logits(hidden[logits_idx])
-        result = self._sample(sampling_requests, logits)
-        result.prompt_logprobs = prompt_lps
-        return result
+        pending = self._sample(sampling, logits, rows[sample_rows])
+        pending.prompt_logprobs = prompt_lps
+        return pending
+
+    def _eager_forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any
+    ) -> torch.Tensor:
+        with set_forward_context(attn_metadata):
+            return self.model(input_ids, positions)
+
+    def _forward_graph(self, size: int) -> torch.Tensor:
+        assert self.graphs is not None
+        return self.graphs.replay(size)
 
     def _prepare_inputs(
-        self, rows: np.ndarray, num_sched: np.ndarray, num_computed: np.ndarray
-    ) -> tuple[CommonAttentionMetadata, torch.Tensor, torch.Tensor]:
+        self, rows: np.ndarray, num_sched: np.ndarray, num_computed: np.ndarray,
+        graph_size: int | None, requests: list[Request], sample_rows: list[int],
+        sampling: list[tuple[Request, list[int]]],
+    ) -> tuple[CommonAttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Fill the step buffers for this batch (padded to ``graph_size`` requests when
+        given: a uniform decode batch that runs as, or like, a CUDA graph) and copy them to
+        the device. Also returns the indices of the tokens whose logits are sampled."""
+        b = self.buffers
+        if self._inputs_copied is not None:
+            # The previous step's copies out of these host buffers must be done.
+            self._inputs_copied.synchronize()
         num_reqs = len(rows)
         num_tokens = int(num_sched.sum())
         cu = np.cumsum(num_sched)
         token_req = np.repeat(np.arange(num_reqs), num_sched)
-        offsets = np.arange(num_tokens) - (cu - num_sched)[token_req]
-        positions = num_computed[token_req] + offsets
+        positions = num_computed[token_req] + (np.arange(num_tokens) - (cu - num_sched)[token_req])
         token_rows = rows[token_req]
-        input_ids = self.input_batch.token_ids[token_rows, positions]
+        b.input_ids.np[:num_tokens] = self.input_batch.token_ids[token_rows, positions]
+        b.positions.np[:num_tokens] = positions
         block_ids = self.input_batch.block_table[token_rows, positions // self.block_size]
-        slot_mapping = block_ids.astype(np.int64) * self.block_size + positions % self.block_size
+        b.slot_mapping.np[:num_tokens] = (block_ids.astype(np.int64) * self.block_size
+                                          + positions % self.block_size)
+        seq_lens = num_computed + num_sched
+        num_cols = -(-int(seq_lens.max()) // self.block_size)
+        block_table = self.input_batch.block_table[rows, :num_cols]
+        total_tokens = num_tokens
+        if graph_size is not None:
+            self._pad_decode_inputs(num_tokens, graph_size)
+            total_tokens = graph_size
+        common = self._common_metadata(
+            num_sched, num_computed, block_table, num_tokens,
+            cuda_graph=graph_size is not None, padded_reqs=graph_size)
+        input_ids = b.input_ids.to_device(total_tokens)
+        known = np.fromiter((r.num_tokens + len(r.spec_token_ids) for r in requests),
+                            dtype=np.int64, count=len(requests))
+        pending = np.flatnonzero(positions >= known[token_req])
+        if len(pending):
+            # Tokens still on the device, sampled by the previous step for these rows.
+            n = len(pending)
+            b.pending_dst.np[:n] = pending
+            b.pending_rows.np[:n] = token_rows[pending]
+            input_ids[b.pending_dst.to_device(n)] = self.last_sampled[b.pending_rows.to_device(n)]
+        logits_idx = self._logits_indices(sampling, sample_rows)
+        if self.device.type == "cuda":
+            self._inputs_copied = torch.cuda.Event()
+            self._inputs_copied.record()
+        return common, input_ids, b.positions.to_device(total_tokens), logits_idx
 
-        seq_lens = (num_computed + num_sched).astype(np.int32)
-        max_seq_len = int(seq_lens.max())
-        num_block_cols = -(-max_seq_len // self.block_size)
-        block_table = self.input_batch.block_table[rows, :num_block_cols]
-        qsl = np.zeros(num_reqs + 1, dtype=np.int32)
-        qsl[1:] = cu
+    def _logits_indices(
+        self, sampling: list[tuple[Request, list[int]]], sample_rows: list[int]
+    ) -> torch.Tensor:
+        """Each sampling row needs logits at its last token, plus one per draft before it."""
+        ends = self.buffers.query_start_loc.np[1:][sample_rows].astype(np.int64)
+        counts = np.fromiter((len(d) + 1 for _, d in sampling), dtype=np.int64,
+                             count=len(sampling))
+        first = np.repeat(ends - counts, counts)
+        within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        num_logits = int(counts.sum())
+        self.buffers.logits_indices.np[:num_logits] = first + within
+        return self.buffers.logits_indices.to_device(num_logits)
 
-        qsl_cpu = torch.from_numpy(qsl)
-        seq_lens_cpu = torch.from_numpy(seq_lens)
-        common = CommonAttentionMetadata(
-            query_start_loc=self._to_device(qsl_cpu),
-            query_start_loc_cpu=qsl_cpu,
-            seq_lens=self._to_device(seq_lens_cpu),
-            seq_lens_cpu=seq_lens_cpu,
-            num_computed_tokens_cpu=torch.from_numpy(num_computed.astype(np.int32)),
-            block_table=self._to_device(torch.from_numpy(np.ascontiguousarray(block_table))),
-            slot_mapping=self._to_device(torch.from_numpy(slot_mapping)),
-            num_reqs=num_reqs,
-            num_actual_tokens=num_tokens,
-            max_query_len=int(num_sched.max()),
-            max_seq_len=max_seq_len,
+    def _pad_decode_inputs(self, start: int, size: int) -> None:
+        """Padding requests ``start..size-1`` of a decode batch: token 0 at position 0, slot
+        -1 (nothing written)."""
+        b = self.buffers
+        b.input_ids.np[start:size] = 0
+        b.positions.np[start:size] = 0
+        b.slot_mapping.np[start:size] = -1
+
+    def _common_metadata(
+        self, num_sched: np.ndarray, num_computed: np.ndarray, block_table: np.ndarray,
+        num_tokens: int, cuda_graph: bool, padded_reqs: int | None = None,
+    ) -> CommonAttentionMetadata:
+        """Write the per-request buffers and describe the batch. Padding requests (up to
+        ``padded_reqs``) get one query token and a context length of 0."""
+        b = self.buffers
+        num_reqs = len(num_sched)
+        total_reqs = padded_reqs or num_reqs
+        qsl = b.query_start_loc.np
+        qsl[0] = 0
+        np.cumsum(num_sched, out=qsl[1 : num_reqs + 1])
+        seq_lens = b.seq_lens.np
+        seq_lens[:num_reqs] = num_computed + num_sched
+        b.num_computed.np[:num_reqs] = num_computed
+        if total_reqs > num_reqs:
+            num_pad = total_reqs - num_reqs
+            qsl[num_reqs + 1 : total_reqs + 1] = num_tokens + np.arange(1, num_pad + 1)
+            seq_lens[num_reqs:total_reqs] = 0
+            b.num_computed.np[num_reqs:total_reqs] = 0
+        total_tokens = int(qsl[total_reqs])
+        max_seq_len = int(seq_lens[:num_reqs].max()) if num_reqs else 0
+        return CommonAttentionMetadata(
+            query_start_loc=b.query_start_loc.to_device(total_reqs + 1),
+            query_start_loc_cpu=b.query_start_loc.cpu[: total_reqs + 1],
+            seq_lens=b.seq_lens.to_device(total_reqs),
+            seq_lens_cpu=b.seq_lens.cpu[:total_reqs],
+            num_computed_tokens_cpu=b.num_computed.cpu[:total_reqs],
+            block_table=self._block_table(block_table, total_reqs),
+            slot_mapping=b.slot_mapping.to_device(total_tokens),
+            num_reqs=total_reqs,
+            num_actual_tokens=total_tokens,
+            max_query_len=int(num_sched.max()) if num_reqs else 1,
+            max_seq_len=self.max_model_len if cuda_graph else max_seq_len,
+            cuda_graph=cuda_graph,
         )
-        return (
-            common,
-            self._to_device(torch.from_numpy(input_ids)),
-            self._to_device(torch.from_numpy(positions)),
-        )
 
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        if self.device.type == "cpu":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+    def _block_table(self, table: np.ndarray, total_reqs: int) -> torch.Tensor:
+        if len(table):
+            self.buffers.set_block_table(table)
+        return self.buffers.block_table[:total_reqs]
 
-    def _sample(self, requests: list[Request], logits: torch.Tensor) -> RunnerOutput:
-        """Sample one token per logits row and verify speculative drafts.
+    def _sample(
+        self, sampling: list[tuple[Request, list[int]]], logits: torch.Tensor,
+        rows: np.ndarray,
+    ) -> PendingOutput:
+        """Sample one token per logits row and start copying them to the host.
 
         A request with drafts ``d_0..d_{k-1}`` has ``k + 1`` logits rows (one per draft
         position plus the bonus position); row ``j`` is sampled as if ``d_0..d_{j-1}`` were
-        already output. Walking the rows, the sampled token is emitted and the walk goes on only
-        while it equals the draft. This is exact rejection sampling for drafts given as tokens:
-        a draft is accepted with probability ``p_j(d_j)``, and on rejection the emitted token is
-        distributed as ``p_j`` without ``d_j``.
+        already output (``PendingOutput.result`` then walks the rows). This is exact rejection
+        sampling for drafts given as tokens: a draft is accepted with probability
+        ``p_j(d_j)``, and on rejection the emitted token is distributed as ``p_j`` without
+        ``d_j``.
         """
-        rows: list[tuple[Request, int]] = [
-            (r, j) for r in requests for j in range(len(r.spec_token_ids) + 1)
-        ]
+        logit_rows = [(r, drafts[:j]) for r, drafts in sampling for j in range(len(drafts) + 1)]
         metadata = build_sampling_metadata(
-            params=[r.sampling_params for r, _ in rows],
-            prompt_token_ids=[r.prompt_token_ids for r, _ in rows],
+            params=[r.sampling_params for r, _ in logit_rows],
+            prompt_token_ids=[r.prompt_token_ids for r, _ in logit_rows],
             # Only draft rows need a copy (their output so far includes earlier drafts).
-            output_token_ids=[r.output_token_ids + r.spec_token_ids[:j] if j else
-                              r.output_token_ids for r, j in rows],
-            eos_token_ids=[r.eos_token_ids for r, _ in rows],
-            generators=[self._generator_for(r) for r, _ in rows],
+            output_token_ids=[r.output_token_ids + d if d else r.output_token_ids
+                              for r, d in logit_rows],
+            eos_token_ids=[r.eos_token_ids for r, _ in logit_rows],
+            generators=[self._generator_for(r) for r, _ in logit_rows],
             default_generator=self.default_generator,
             vocab_size=self.vocab_size,
             device=self.device,
         )
         result = self.sampler(logits, metadata)
-        # The step's one device-to-host sync: the tokens (and logprobs) go back to the host.
-        sampled = result.sampled_token_ids.tolist()
-        entries = self._logprob_entries(rows, result) if result.logprobs is not None else None
-        out = RunnerOutput()
-        i = 0
-        for r in requests:
-            drafts = r.spec_token_ids
-            tokens = []
-            for j in range(len(drafts) + 1):
-                tokens.append(sampled[i + j])
-                if j == len(drafts) or sampled[i + j] != drafts[j]:
-                    break
-            out.sampled[r.request_id] = tokens
-            if entries is not None and r.sampling_params.logprobs is not None:
-                out.logprobs[r.request_id] = entries[i : i + len(tokens)]
-            i += len(drafts) + 1
-        return out
-
-    @staticmethod
-    def _logprob_entries(
-        rows: list[tuple[Request, int]], result: SamplerOutput
-    ) -> list[dict[int, Logprob]]:
-        assert result.logprobs is not None
-        ids = result.logprobs.token_ids.tolist()
-        lps = result.logprobs.logprobs.tolist()
-        ranks = result.logprobs.ranks.tolist()
-        entries = []
-        for i, (r, _) in enumerate(rows):
-            k = r.sampling_params.logprobs or 0
-            entry = {ids[i][0]: Logprob(lps[i][0], ranks[i])}
-            for j in range(1, k + 1):
-                entry.setdefault(ids[i][j], Logprob(lps[i][j], j))
-            entries.append(entry)
-        return entries
+        sampled = result.sampled_token_ids
+        if len(logit_rows) == len(sampling):  # no drafts: keep each row's token for the next step
+            b = self.buffers
+            b.sample_rows.np[: len(rows)] = rows
+            self.last_sampled[b.sample_rows.to_device(len(rows))] = sampled
+        if self.device.type != "cuda":
+            return PendingOutput(sampling, sampled, None, result.logprobs)
+        # Two host buffers, alternating: the previous step's may not have been read yet.
+        self._sampled_slot ^= 1
+        host = self._sampled_host[self._sampled_slot][: len(logit_rows)]
+        host.copy_(sampled, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return PendingOutput(sampling, host, ready, result.logprobs)
 
     def _generator_for(self, request: Request) -> torch.Generator | None:
         seed = request.sampling_params.seed

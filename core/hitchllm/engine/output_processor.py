@@ -37,6 +37,8 @@ class ParentState:
     first_token_time: float | None = None
     # prompt index -> entry, when prompt logprobs were asked (children share the prompt)
     prompt_logprobs: dict[int, dict[int, Logprob]] | None = None
+    # Only the finished output is wanted (offline generation): no output per step.
+    final_only: bool = False
 
     @property
     def finished(self) -> bool:
@@ -52,7 +54,10 @@ class OutputProcessor:
         # child request id -> (parent, index of the child among the parent's sequences)
         self._parent_of: dict[str, tuple[ParentState, int]] = {}
 
-    def add(self, request_id: str, prompt: str | None, children: list[Request]) -> None:
+    def add(
+        self, request_id: str, prompt: str | None, children: list[Request],
+        final_only: bool = False,
+    ) -> None:
         seqs = []
         for i, child in enumerate(children):
             params = child.sampling_params
@@ -62,7 +67,8 @@ class OutputProcessor:
             )
             logprobs = [] if params.logprobs is not None else None
             seqs.append(SequenceState(i, child, detok, logprobs))
-        parent = ParentState(request_id, prompt, children[0].prompt_token_ids, seqs)
+        parent = ParentState(request_id, prompt, children[0].prompt_token_ids, seqs,
+                             final_only=final_only)
         if children[0].sampling_params.prompt_logprobs is not None:
             parent.prompt_logprobs = {}
         self.parents[request_id] = parent
@@ -117,7 +123,7 @@ class OutputProcessor:
                 seq.finish_reason = request.status.finish_reason
                 seq.stop_reason = request.stop_reason
             touched[parent.request_id] = parent
-        outputs = [self._output(p) for p in touched.values()]
+        outputs = [self._output(p) for p in touched.values() if p.finished or not p.final_only]
         for parent in touched.values():
             if parent.finished:
                 self._forget(parent)

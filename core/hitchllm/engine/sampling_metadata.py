@@ -62,11 +62,19 @@ def _uses_penalties(p: SamplingParams) -> bool:
     return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
 
 
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of ``values`` on ``device``; the copy to a GPU does not wait for the GPU."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _pad(rows: list[list[int]], pad_id: int, device: torch.device) -> torch.Tensor:
     # At least one column so scatter-based consumers never see a zero-width index.
     width = max(1, max((len(r) for r in rows), default=0))
     padded = [r + [pad_id] * (width - len(r)) for r in rows]
-    return torch.tensor(padded, dtype=torch.int64, device=device)
+    return _to_device(padded, torch.int64, device)
 
 
 def build_sampling_metadata(
@@ -132,7 +140,7 @@ def build_sampling_metadata(
     num_greedy = sum(t == 0.0 for t in temperature)
 
     def tensor(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device)
+        return _to_device(values, dtype, device)
 
     metadata = SamplingMetadata(
         temperature=tensor(temperature, torch.float32),

@@ -31,13 +31,20 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
                    action="store_false", help="turn automatic prefix caching off")
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority"])
     g.add_argument("--seed", type=int, default=0, help="seed of the engine's sampling RNG")
+    g.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="CUDA: no CUDA graphs, every step runs eagerly")
+    g.add_argument("--no-enable-fusion", dest="enable_fusion", action="store_false",
+                   default=None, help="CUDA: run norms, rotary and activations unfused")
+    g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                   default=None, help="wait for each step's tokens before scheduling the next")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The ``EngineConfig`` fields given on the command line (unset ones left out)."""
     names = ["tokenizer", "dtype", "device", "attention_backend", "block_size", "num_kv_blocks",
              "kv_cache_memory", "gpu_memory_utilization", "max_model_len", "max_num_seqs",
-             "max_num_batched_tokens", "enable_prefix_caching", "scheduling_policy", "seed"]
+             "max_num_batched_tokens", "enable_prefix_caching", "scheduling_policy", "seed",
+             "enforce_eager", "enable_fusion", "async_scheduling"]
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 
@@ -191,7 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    args.argv = argv  # benchmarks record the command that produced their numbers
     try:
         return args.func(args)
     except ValueError as exc:  # configuration and request errors: say what to change

@@ -62,7 +62,8 @@ class LLM:
         ids: list[str] = []
         try:
             for prompt, p, lora in zip(prompts, params, loras):
-                ids.append(self.engine.add_request(prompt, p, lora_request=lora))
+                ids.append(self.engine.add_request(prompt, p, lora_request=lora,
+                                                   final_only=True))
         except Exception:
             self.engine.abort_request(ids)
             raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 
@@ -12,7 +13,11 @@ def describe_machine() -> str:
         import torch
 
         if torch.cuda.is_available():
-            return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
+            versions = [f"torch {torch.__version__}"]
+            for name in ("triton", "transformers"):
+                with contextlib.suppress(ImportError):
+                    versions.append(f"{name} {__import__(name).__version__}")
+            return f"{torch.cuda.get_device_name()} ({', '.join(versions)})"
     except ImportError:  # pragma: no cover - torch is a core dependency
         pass
     model = platform.processor() or platform.machine()

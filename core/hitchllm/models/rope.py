@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hitchllm.models import fused
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -59,14 +61,4 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``q``: [T, heads, head_dim], ``k``: [T, kv_heads, head_dim]; positions: [T]."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    cos = torch.cat((cos, cos), dim=-1).to(x.dtype)
-    sin = torch.cat((sin, sin), dim=-1).to(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+        return fused.rotary(positions, q, k, self.cos, self.sin)

@@ -6,6 +6,12 @@ served first (a decode is 1 token, or 1 + k with speculative drafts; an unfinish
 continues with as many tokens as the budget allows), then waiting requests are admitted, their
 prompts split across steps when they do not fit the remaining budget.
 
+Scheduling a request advances its ``num_computed_tokens`` at once, and each sampling row adds
+one *pending* token (``Request.num_pending_tokens``): sampled on the device but not yet seen
+by the host. ``update_from_output`` turns pending tokens into output tokens. Because the next
+step may be scheduled before that happens, a decode step's input can be a pending token (the
+model runner takes it from the device); see ``LLMEngine`` for that overlap.
+
 When the KV cache runs out of blocks, a running request is preempted by recompute: its blocks
 are freed and it goes back to the front of the waiting queue (prefix caching usually makes the
 recompute cheap). The victim is chosen by ``PreemptionPolicy`` among the running requests not
@@ -43,6 +49,9 @@ class SchedulerOutput:
     # Per row: whether the row's last scheduled token is the request's newest token, so the
     # step samples for it (false for a chunk in the middle of a prompt).
     samples: list[bool]
+    # Per row: tokens whose K/V were cached before this step (the requests' own counters
+    # already include this step's tokens).
+    num_computed_tokens: list[int] = field(default_factory=list)
     # Requests whose runner rows must be dropped before this step: finished or preempted
     # since the last step.
     released_ids: list[str] = field(default_factory=list)
@@ -165,17 +174,32 @@ class Scheduler:
 
         requests = list(scheduled)
         counts = [scheduled[r] for r in requests]
-        samples = [r.num_computed_tokens + n >= r.num_tokens for r, n in zip(requests, counts)]
+        computed = [r.num_computed_tokens for r in requests]
+        samples = [c + n >= r.num_tokens + r.num_pending_tokens
+                   for r, c, n in zip(requests, computed, counts)]
+        for request, num_new, sample in zip(requests, counts, samples):
+            request.num_computed_tokens += num_new
+            request.num_pending_tokens += sample
         released, self._released = self._released, []
         finished, self._finished = self._finished, []
         self.stats.num_running = len(self.running)
         self.stats.num_waiting = len(self.waiting)
-        return SchedulerOutput(requests, counts, samples, released, finished)
+        return SchedulerOutput(requests, counts, samples, computed, released, finished)
 
     def _num_tokens_to_compute(self, request: Request, budget: int) -> int:
-        remaining = request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens
+        if request.num_pending_tokens and self._ends_by_length(request):
+            return 0  # its pending token is its last: nothing more to compute
+        remaining = (request.num_tokens + request.num_pending_tokens
+                     + len(request.spec_token_ids) - request.num_computed_tokens)
         room = self.config.max_model_len - request.num_computed_tokens
         return max(0, min(remaining, budget, room))
+
+    def _ends_by_length(self, request: Request) -> bool:
+        """True when the request's pending tokens reach max_tokens or max_model_len."""
+        max_tokens = request.sampling_params.max_tokens
+        pending = request.num_pending_tokens
+        return ((max_tokens is not None and request.num_output_tokens + pending >= max_tokens)
+                or request.num_tokens + pending >= self.config.max_model_len)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -191,28 +215,34 @@ class Scheduler:
     def update_from_output(
         self, output: SchedulerOutput, sampled: dict[str, list[int]]
     ) -> list[Request]:
-        """Advance computed tokens, append sampled tokens, finish requests that stop.
+        """Append the step's sampled tokens, finish requests that stop.
 
         ``sampled`` maps request id to the tokens accepted for it this step (one token, or
-        more with speculative decoding). Returns the requests that got new tokens.
+        more with speculative decoding). A request preempted since the step was scheduled
+        still gets its token (it was sampled from a complete context); an aborted one does
+        not. Returns the requests that got new tokens.
         """
         updated = []
-        for request, num_new in zip(output.requests, output.num_scheduled_tokens):
-            if request.finished or request.status != RequestStatus.RUNNING:
-                continue  # aborted or preempted after scheduling
-            request.num_computed_tokens += num_new
-            tokens = sampled.get(request.request_id)
-            if not tokens:
+        for request, sample in zip(output.requests, output.samples):
+            if not sample:
                 continue
-            # Rejected drafts were computed but are not part of the sequence: their K/V will be
-            # overwritten. ``tokens`` holds the accepted drafts plus one newly sampled token.
-            request.num_computed_tokens -= len(request.spec_token_ids) - (len(tokens) - 1)
+            request.num_pending_tokens -= 1
+            tokens = sampled.get(request.request_id)
+            if request.finished or not tokens:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                # Rejected drafts were computed but are not part of the sequence: their K/V
+                # will be overwritten. ``tokens`` holds the accepted drafts plus one new token.
+                request.num_computed_tokens -= len(request.spec_token_ids) - (len(tokens) - 1)
             request.spec_token_ids = []
             for token in tokens:
                 request.append_output_token(token)
                 status = check_stop(request, self.config.max_model_len)
                 if status is not None:
-                    self.running.remove(request)
+                    if request.status == RequestStatus.RUNNING:
+                        self.running.remove(request)
+                    else:
+                        self.waiting.remove(request)
                     self._finish(request, status)
                     break
             updated.append(request)

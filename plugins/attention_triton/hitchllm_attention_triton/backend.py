@@ -16,6 +16,7 @@ from hitchllm.attention import (
     AttentionMetadataBuilder,
     AttentionSpec,
     CommonAttentionMetadata,
+    CudaGraphSupport,
 )
 from hitchllm_attention_triton.config import KernelConfig, choose_kernel_config
 
@@ -34,14 +35,23 @@ class TritonAttentionMetadata:
     block_table: torch.Tensor
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
-    tile_req: torch.Tensor  # [num_tiles] int32: request of each query tile
-    tile_q0: torch.Tensor  # [num_tiles] int32: first query index of the tile in its request
+    # [num_tiles] int32 each: the request of each query tile and the tile's first query index
+    # within it. None for decode batches, where tile i is request i's only token.
+    tile_req: torch.Tensor | None
+    tile_q0: torch.Tensor | None
+    num_tiles: int
     num_tokens: int
     kernel: KernelConfig
 
 
 class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
-    """Cuts every request's new tokens into query tiles and picks the launch configuration."""
+    """Cuts every request's new tokens into query tiles and picks the launch configuration.
+
+    Decode batches need no tiles of their own (request i is tile i) and so reference only the
+    engine's buffers, which makes them safe to capture into CUDA graphs; their configuration
+    depends on the batch size and ``max_seq_len`` only (the engine's ``max_model_len`` for graph
+    batches).
+    """
 
     def __init__(self, spec: AttentionSpec, device: torch.device) -> None:
         super().__init__(spec, device)
@@ -61,23 +71,32 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
             head_size=spec.head_size, num_sms=self.num_sms, on_gpu=self.device.type == "cuda",
             force_splits=self.force_num_splits,
         ) if self.kernel_override is None else self.kernel_override
+        metadata = TritonAttentionMetadata(
+            slot_mapping=common.slot_mapping[: common.num_actual_tokens],
+            block_table=common.block_table[:n],
+            seq_lens=common.seq_lens[:n],
+            query_start_loc=common.query_start_loc[: n + 1],
+            tile_req=None,
+            tile_q0=None,
+            num_tiles=n,
+            num_tokens=common.num_actual_tokens,
+            kernel=kernel,
+        )
+        if common.max_query_len == 1 and kernel.block_q == 1:
+            return metadata
         qsl = common.query_start_loc_cpu[: n + 1].numpy()
         q_lens = qsl[1:] - qsl[:-1]
         tiles = -(-q_lens // kernel.block_q)
         tile_req = np.repeat(np.arange(n, dtype=np.int32), tiles)
         first_tile = np.cumsum(tiles) - tiles
         tile_q0 = ((np.arange(len(tile_req)) - first_tile[tile_req]) * kernel.block_q)
-        return TritonAttentionMetadata(
-            slot_mapping=common.slot_mapping[: common.num_actual_tokens],
-            block_table=common.block_table[:n],
-            seq_lens=common.seq_lens[:n],
-            query_start_loc=common.query_start_loc[: n + 1],
-            tile_req=torch.from_numpy(tile_req).to(self.device, non_blocking=True),
-            tile_q0=torch.from_numpy(tile_q0.astype(np.int32)).to(self.device,
-                                                                   non_blocking=True),
-            num_tokens=common.num_actual_tokens,
-            kernel=kernel,
-        )
+        tiles_host = torch.from_numpy(np.stack([tile_req, tile_q0.astype(np.int32)]))
+        if self.device.type == "cuda":
+            tiles_host = tiles_host.pin_memory()
+        tiles = tiles_host.to(self.device, non_blocking=True)
+        metadata.tile_req, metadata.tile_q0 = tiles[0], tiles[1]
+        metadata.num_tiles = len(tile_req)
+        return metadata
 
 
 class TritonAttentionImpl(AttentionImpl):
@@ -119,11 +138,14 @@ class TritonAttentionImpl(AttentionImpl):
         else:
             partial = lse = out  # unused
         spec = self.spec
-        grid = (metadata.tile_req.shape[0], self.num_kv_heads, splits)
+        grid = (metadata.num_tiles, self.num_kv_heads, splits)
+        decode = metadata.tile_req is None
+        tile_req = metadata.seq_lens if decode else metadata.tile_req  # unused when decoding
+        tile_q0 = metadata.seq_lens if decode else metadata.tile_q0
         kernels.paged_attention[grid](
             out, query, key_cache, value_cache,
             metadata.block_table, metadata.seq_lens, metadata.query_start_loc,
-            metadata.tile_req, metadata.tile_q0, partial, lse,
+            tile_req, tile_q0, partial, lse,
             self.scale * 1.4426950408889634, spec.logits_soft_cap or 0.0,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -132,7 +154,7 @@ class TritonAttentionImpl(AttentionImpl):
             GROUP=self.num_heads // self.num_kv_heads, HEAD_DIM=self.head_size,
             HEAD_PAD=head_pad, BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             PAGE=key_cache.shape[1], USE_SOFTCAP=spec.logits_soft_cap is not None,
-            WINDOW=spec.sliding_window or 0, NUM_SPLITS=splits,
+            WINDOW=spec.sliding_window or 0, NUM_SPLITS=splits, DECODE=decode,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if splits > 1:
@@ -154,6 +176,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     name: ClassVar[str] = "TRITON_ATTN"
     priority: ClassVar[int] = 100
+    cuda_graph_support: ClassVar[CudaGraphSupport] = CudaGraphSupport.UNIFORM_DECODE
 
     @classmethod
     def validate(cls, spec: AttentionSpec) -> list[str]:

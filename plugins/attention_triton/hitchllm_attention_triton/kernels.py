@@ -106,12 +106,17 @@ def paged_attention(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    DECODE: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    req = tl.load(tile_req_ptr + tile)
-    q0 = tl.load(tile_q0_ptr + tile)
+    if DECODE:  # one query token per request: tile i is request i
+        req = tile
+        q0 = 0
+    else:
+        req = tl.load(tile_req_ptr + tile)
+        q0 = tl.load(tile_q0_ptr + tile)
     q_start = tl.load(query_start_ptr + req)
     q_len = tl.load(query_start_ptr + req + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + req)

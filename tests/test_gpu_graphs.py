@@ -1,0 +1,94 @@
+"""CUDA graphs and memory-profiled KV sizing (run on the GPU machine; skipped elsewhere)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import hf_greedy
+from test_models_hf_parity import mixed_prompts
+
+from hitchllm import LLM, SamplingParams
+from hitchllm.models import fused
+from hitchllm.tiny_model import build_tiny_checkpoint
+
+pytestmark = pytest.mark.gpu
+
+# Output lengths that make the batch shrink through several capture sizes (8, 4, 2, 1).
+MAX_TOKENS = (40, 3, 17, 25, 9, 33, 1, 12, 28)
+
+
+def _generate(llm: LLM, prompts: list[list[int]], temperature: float) -> list[list[int]]:
+    params = [SamplingParams(temperature=temperature, seed=i if temperature else None,
+                             max_tokens=m, ignore_eos=True) for i, m in enumerate(MAX_TOKENS)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "LlamaForCausalLM"])
+def test_cuda_graph_runs_equal_eager_runs_exactly(tiny_models, arch):
+    prompts = mixed_prompts(3, lengths=(1, 3, 7, 16, 29, 45, 5, 12, 33))
+    eager = LLM(tiny_models[arch], device="cuda", attention_backend="TRITON_ATTN",
+                enforce_eager=True)
+    graphs = LLM(tiny_models[arch], device="cuda", attention_backend="TRITON_ATTN")
+    assert graphs.engine.runner.graphs.captured
+    assert not eager.engine.runner.graphs.captured
+    replays = []
+    replay = graphs.engine.runner.graphs.replay
+    graphs.engine.runner.graphs.replay = lambda size: replays.append(size) or replay(size)
+    for temperature in (0.0, 1.0):  # greedy, and seeded sampling (needs identical logits)
+        assert _generate(graphs, prompts, temperature) == _generate(eager, prompts, temperature)
+    assert {1, 2, 4, 8} <= set(replays)
+
+
+def test_triton_bfloat16_with_graphs_tracks_transformers(tiny_models):
+    path = tiny_models["Qwen3ForCausalLM"]
+    prompts = mixed_prompts(4, lengths=(4, 21, 40))
+    llm = LLM(path, device="cuda", attention_backend="TRITON_ATTN")
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=4, min_tokens=4),
+                        use_tqdm=False)
+    ref = hf_greedy(path, prompts, 4, dtype=torch.bfloat16)
+    assert [o.outputs[0].token_ids[:2] for o in outs] == [r[:2] for r in ref]
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory) -> str:
+    """Large KV per block and a long max_model_len, so the memory budget (not the cap of
+    max_num_seqs full-length requests) decides the number of blocks."""
+    return str(build_tiny_checkpoint(
+        tmp_path_factory.mktemp("wide") / "llama", "LlamaForCausalLM", hidden_size=1024,
+        intermediate_size=256, num_hidden_layers=8, num_attention_heads=16,
+        num_key_value_heads=16, max_position_embeddings=32768))
+
+
+def test_kv_cache_takes_what_gpu_memory_utilization_leaves(wide_model):
+    total = torch.cuda.get_device_properties(0).total_memory
+    llm = LLM(wide_model, device="cuda", gpu_memory_utilization=0.4)
+    kv_bytes = sum(c.numel() * c.element_size() for c in llm.engine.runner.kv_caches)
+    weights = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    # Everything but weights, peak activations and non-PyTorch memory (well under 3 GiB for
+    # this model) goes to the cache, and the engine stays within its share of the card.
+    assert 0.4 * total - weights - 3 * 2**30 < kv_bytes < 0.4 * total - weights
+    assert torch.cuda.memory_allocated() < 0.4 * total
+
+
+def test_a_card_share_too_small_for_one_request_fails_at_start(wide_model):
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        LLM(wide_model, device="cuda", gpu_memory_utilization=0.01)
+
+
+def test_fused_elementwise_ops_match_unfused(tiny_models):
+    """The compiled norms, rotary and activation give the eager ops' tokens (float32)."""
+    path = tiny_models["Qwen3ForCausalLM"]
+    prompts = mixed_prompts(5)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    def run(fusion: bool) -> list[list[int]]:
+        llm = LLM(path, device="cuda", dtype="float32", enable_fusion=fusion)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    try:
+        assert run(True) == run(False)
+    finally:
+        fused.set_fusion(True)
