@@ -142,6 +142,8 @@ def headline_cases() -> list[Case]:
         Case("decode 1x32k", [32767], [1]),
         Case("decode 4x32k", [32767] * 4, [1] * 4),
         Case("decode 64x2048 gqa 32/4", [2047] * 64, [1] * 64, num_kv_heads=4),
+        # The throughput benchmark's model (Qwen3-0.6B: 16 query, 8 KV heads) at full batch.
+        Case("decode 256x1024 gqa 16/8", [1023] * 256, [1] * 256, num_heads=16),
     ]
 
 
@@ -230,8 +232,8 @@ def main() -> None:
         lines.append(line)
         torch.cuda.empty_cache()
     if args.tune:
-        tune(headline_cases()[0])
-        tune(headline_cases()[1])
+        for case in headline_cases()[:2] + headline_cases()[-1:]:
+            tune(case)
     if args.results:
         with args.results.open("a") as f:
             f.write("\n" + "\n".join(lines) + "\n")
