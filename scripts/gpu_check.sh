@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the repository root, after the wheels were staged here with
 #   python ../shared/gpu/stage_wheels.py base && python ../shared/gpu/stage_wheels.py flashinfer
-# and carried over (carry: [".gpu/base", ".gpu/fi"]). One call: installs the core and plugins,
-# runs every GPU test, then the attention benchmark; results go to $OUT when it is set.
+#   python ../shared/gpu/stage_wheels.py extra typing-inspection==0.4.5
+# and carried over (carry: [".gpu/base", ".gpu/extra", ".gpu/fi"]). One call: installs the core
+# and plugins, runs every GPU test, then the attention benchmark; results go to $OUT when set.
+# (The engine's throughput benchmark is benchmarks/throughput_gpu.sh, a call of its own.)
 #   bash scripts/gpu_check.sh [--sweep]
 set -uo pipefail
 out="${OUT:-/tmp/gpu-check}"
 mkdir -p "$out"
 source .gpu/base/install.sh
-# pydantic 2.14 (in base) needs typing-inspection >= 0.4.5: stage_wheels.py extra typing-inspection==0.4.5
+# pydantic 2.14 (in base) needs typing-inspection >= 0.4.5 for list-typed config fields.
 [ -f .gpu/extra/install.sh ] && source .gpu/extra/install.sh
 [ -f .gpu/fi/install.sh ] && source .gpu/fi/install.sh
 python3 -m pip install -q --no-deps --no-build-isolation -e . -e plugins/attention_triton
