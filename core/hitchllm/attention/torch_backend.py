@@ -151,7 +151,7 @@ class TorchAttentionImpl(AttentionImpl):
         block_size = cache.shape[2]
         blocks = block_table.reshape(-1).long()
         # Selecting rows of a [kv_heads, blocks, block_size * d] view copies whole blocks at
-        # a time, several times faster than selecting along dim 1 of the 4-d cache.
+        # a time (up to 1.5x faster on CPU than selecting along dim 1 of the 4-d cache).
         rows = cache.view(self.num_kv_heads, cache.shape[1], -1).index_select(1, blocks)
         shape = (self.num_kv_heads, *block_table.shape, block_size, self.head_size)
         return rows.view(shape).flatten(-3, -2)[..., :num_tokens, :].to(dtype)
