@@ -92,3 +92,15 @@ def test_fused_elementwise_ops_match_unfused(tiny_models):
         assert run(True) == run(False)
     finally:
         fused.set_fusion(True)
+
+
+def test_async_scheduling_on_cuda_equals_sequential_steps(tiny_models):
+    """Overlapped steps (pending tokens read on the device, host buffers refilled while the
+    previous step runs) give the tokens of one-step-at-a-time runs, as rows come and go."""
+    path = tiny_models["LlamaForCausalLM"]
+    prompts = mixed_prompts(6, lengths=(1, 3, 7, 16, 29, 45, 5, 12, 33))
+    runs = [LLM(path, device="cuda", attention_backend="TRITON_ATTN", async_scheduling=mode)
+            for mode in (True, False)]
+    for temperature in (0.0, 1.0):
+        overlapped, sequential = (_generate(llm, prompts, temperature) for llm in runs)
+        assert overlapped == sequential

@@ -86,6 +86,7 @@ class ModelRunner:
                                           pin_memory=device.type == "cuda") for _ in range(2)]
         self._sampled_slot = 0
         self._inputs_copied: torch.cuda.Event | None = None
+        self._sample_rows: torch.Tensor | None = None
         self.default_generator = torch.Generator(device).manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
 
@@ -226,7 +227,7 @@ class ModelRunner:
         if not sampling:
             return PendingOutput(prompt_logprobs=prompt_lps)
         logits = self.model.compute_logits(hidden[logits_idx])
-        pending = self._sample(sampling, logits, rows[sample_rows])
+        pending = self._sample(sampling, logits)
         pending.prompt_logprobs = prompt_lps
         return pending
 
@@ -284,10 +285,18 @@ class ModelRunner:
             b.pending_rows.np[:n] = token_rows[pending]
             input_ids[b.pending_dst.to_device(n)] = self.last_sampled[b.pending_rows.to_device(n)]
         logits_idx = self._logits_indices(sampling, sample_rows)
+        # Rows whose sampled token ``_sample`` keeps in ``last_sampled`` (none with drafts).
+        self._sample_rows = None
+        if all(not drafts for _, drafts in sampling):
+            b.sample_rows.np[: len(sample_rows)] = rows[sample_rows]
+            self._sample_rows = b.sample_rows.to_device(len(sample_rows))
+        positions_dev = b.positions.to_device(total_tokens)
         if self.device.type == "cuda":
+            # Every copy out of the host buffers is queued: the next step may refill them once
+            # this event (ahead of this step's forward) has passed.
             self._inputs_copied = torch.cuda.Event()
             self._inputs_copied.record()
-        return common, input_ids, b.positions.to_device(total_tokens), logits_idx
+        return common, input_ids, positions_dev, logits_idx
 
     def _logits_indices(
         self, sampling: list[tuple[Request, list[int]]], sample_rows: list[int]
@@ -353,8 +362,7 @@ class ModelRunner:
         return self.buffers.block_table[:total_reqs]
 
     def _sample(
-        self, sampling: list[tuple[Request, list[int]]], logits: torch.Tensor,
-        rows: np.ndarray,
+        self, sampling: list[tuple[Request, list[int]]], logits: torch.Tensor
     ) -> PendingOutput:
         """Sample one token per logits row and start copying them to the host.
 
@@ -380,10 +388,8 @@ class ModelRunner:
         )
         result = self.sampler(logits, metadata)
         sampled = result.sampled_token_ids
-        if len(logit_rows) == len(sampling):  # no drafts: keep each row's token for the next step
-            b = self.buffers
-            b.sample_rows.np[: len(rows)] = rows
-            self.last_sampled[b.sample_rows.to_device(len(rows))] = sampled
+        if self._sample_rows is not None:  # keep each row's token for a next step's input
+            self.last_sampled[self._sample_rows] = sampled
         if self.device.type != "cuda":
             return PendingOutput(sampling, sampled, None, result.logprobs)
         # Two host buffers, alternating: the previous step's may not have been read yet.
