@@ -101,6 +101,12 @@ class SamplingParams:
             bad(f"seed must be an integer, got {self.seed!r}.")
 
     @property
+    def uses_penalties(self) -> bool:
+        """True when a presence, frequency or repetition penalty is set."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
     def greedy(self) -> bool:
         """True when the request takes the argmax token at every step."""
         return self.temperature < _GREEDY_EPS

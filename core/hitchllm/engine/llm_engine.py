@@ -357,12 +357,9 @@ class LLMEngine:
         """Whether ``sched`` may launch before the step in flight completes: not when a
         request's sampling depends on output tokens the host has not seen (penalties, and
         min_tokens still counting)."""
-        for r in sched.requests:
-            p = r.sampling_params
-            if (p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
-                    or r.num_output_tokens < p.min_tokens):
-                return False
-        return True
+        return not any(r.sampling_params.uses_penalties
+                       or r.num_output_tokens < r.sampling_params.min_tokens
+                       for r in sched.requests)
 
     def _complete(self, sched: SchedulerOutput, pending: PendingOutput) -> list[RequestOutput]:
         """Wait for a launched step's tokens and fold them into requests and outputs."""

@@ -58,10 +58,6 @@ class SamplingMetadata:
         return self.repetition_penalty is None
 
 
-def _uses_penalties(p: SamplingParams) -> bool:
-    return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
-
-
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A tensor of ``values`` on ``device``; the copy to a GPU does not wait for the GPU."""
     host = torch.tensor(values, dtype=dtype)
@@ -155,7 +151,7 @@ def build_sampling_metadata(
         max_num_logprobs=max_num_logprobs,
     )
 
-    uses_penalties = [_uses_penalties(p) for p in params]
+    uses_penalties = [p.uses_penalties for p in params]
     if any(uses_penalties):
         metadata.presence_penalty = tensor([p.presence_penalty for p in params], torch.float32)
         metadata.frequency_penalty = tensor([p.frequency_penalty for p in params], torch.float32)

@@ -47,12 +47,16 @@ def _fused_on_cuda(fn: _F) -> _F:
     return run  # type: ignore[return-value]
 
 
-@_fused_on_cuda
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x / rms(x) * weight`` over the last dimension, statistics in float32."""
+def _normalize(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
+
+
+@_fused_on_cuda
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / rms(x) * weight`` over the last dimension, statistics in float32."""
+    return _normalize(x, weight, eps)
 
 
 @_fused_on_cuda
@@ -62,9 +66,7 @@ def add_rms_norm(
     """``(rms_norm(x + residual), x + residual)``: a decoder layer's residual add and the
     next norm in one pass."""
     total = x + residual
-    t32 = total.float()
-    t32 = t32 * torch.rsqrt(t32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * t32.to(x.dtype), total
+    return _normalize(total, weight, eps), total
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -75,6 +77,15 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
+def _apply_rotary(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    c = cos[positions].unsqueeze(1)
+    s = sin[positions].unsqueeze(1)
+    return _rotate(q, c, s), _rotate(k, c, s)
+
+
 @_fused_on_cuda
 def rotary(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
@@ -82,9 +93,7 @@ def rotary(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half rotary embedding of ``q`` [T, heads, d] and ``k`` [T, kv_heads, d] at
     ``positions`` [T], from float32 ``cos``/``sin`` tables [max_position, d / 2]."""
-    c = cos[positions].unsqueeze(1)
-    s = sin[positions].unsqueeze(1)
-    return _rotate(q, c, s), _rotate(k, c, s)
+    return _apply_rotary(positions, q, k, cos, sin)
 
 
 @_fused_on_cuda
@@ -93,14 +102,8 @@ def qk_norm_rotary(
     k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3's per-head RMSNorm of queries and keys, then rotary, in one pass."""
-    def norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-        return weight * x32.to(x.dtype)
-
-    c = cos[positions].unsqueeze(1)
-    s = sin[positions].unsqueeze(1)
-    return _rotate(norm(q, q_weight), c, s), _rotate(norm(k, k_weight), c, s)
+    return _apply_rotary(positions, _normalize(q, q_weight, eps), _normalize(k, k_weight, eps),
+                         cos, sin)
 
 
 @_fused_on_cuda
