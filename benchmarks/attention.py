@@ -1,11 +1,14 @@
-"""Paged attention kernels side by side: TRITON_ATTN vs FlashInfer (when installed).
+"""Paged attention backends side by side: TRITON_ATTN, FLASHINFER and FLASH_ATTN (the ones
+whose libraries are installed), each called through hitchllm's backend API (metadata builder,
+then the impl's forward: K/V write plus attention), exactly as the engine calls them.
 
 Shapes follow ../shared/gpu/README.md's reference table (bf16, 32 query heads, head dim 128,
 page 16, random page order) plus a decode sweep over batch and context. For each shape it
-prints microseconds, achieved KV bandwidth (decode) or TFLOP/s (prefill) and the ratio to
-FlashInfer, and checks both outputs agree. ``--tune`` also times a grid of launch
-configurations for the headline shapes (used to choose hitchllm_attention_triton/config.py).
-Times are device times of calls replayed from CUDA graphs, for both implementations.
+prints microseconds and achieved KV bandwidth (decode) or TFLOP/s (prefill) per backend and
+the speed ratio to TRITON_ATTN, and checks every output agrees with TRITON_ATTN's. ``--tune``
+also times a grid of launch configurations for the headline shapes (used to choose
+hitchllm_attention_triton/config.py). Times are device times of calls replayed from CUDA
+graphs, for every backend.
 
     python benchmarks/attention.py [--sweep] [--tune] [--results benchmarks/RESULTS.md]
 """
@@ -22,10 +25,13 @@ import numpy as np
 import torch
 import triton.testing
 
-from hitchllm.attention import AttentionSpec, CommonAttentionMetadata
+from hitchllm.attention import AttentionBackend, AttentionSpec, CommonAttentionMetadata
+from hitchllm.attention.selector import discover_backends
 from hitchllm.entrypoints.machine import describe_machine
 from hitchllm_attention_triton import TritonAttentionBackend
 from hitchllm_attention_triton.config import KernelConfig
+
+VENDOR = ("FLASHINFER", "FLASH_ATTN")
 
 DTYPE = torch.bfloat16
 HEAD = 128
@@ -73,7 +79,8 @@ class Bench:
             start += n
             self.indptr.append(start)
         self.indices = torch.cat([self.block_table[i, :n] for i, n in enumerate(pages)])
-        self.cache = torch.randn(2, num_pages, PAGE, case.num_kv_heads, HEAD, dtype=DTYPE,
+        # One spare page: the write sink of the FLASHINFER / FLASH_ATTN layout.
+        self.cache = torch.randn(2, num_pages + 1, PAGE, case.num_kv_heads, HEAD, dtype=DTYPE,
                                  device="cuda")
         num_tokens = sum(case.query_lens)
         self.q = torch.randn(num_tokens, case.num_heads, HEAD, dtype=DTYPE, device="cuda")
@@ -85,7 +92,7 @@ class Bench:
             query_start_loc=self.qsl.cuda(), query_start_loc_cpu=self.qsl,
             seq_lens=seq.cuda(), seq_lens_cpu=seq,
             num_computed_tokens_cpu=torch.tensor(case.context_lens, dtype=torch.int32),
-            block_table=self.block_table.cuda(),
+            block_table=self.block_table.cuda(), block_table_cpu=self.block_table,
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device="cuda"),
             num_reqs=len(pages), num_actual_tokens=num_tokens,
             max_query_len=max(case.query_lens), max_seq_len=max(case.seq_lens),
@@ -104,27 +111,15 @@ class Bench:
         empty = self.q.new_empty(self.q.shape[0], c.num_kv_heads, HEAD)
         return meta.kernel, lambda: impl.forward(self.q, empty, empty, self.cache, meta)
 
-    def flashinfer_fn(self):
-        try:
-            import flashinfer
-        except ImportError:
+    def backend_fn(self, backend: type[AttentionBackend]):
+        """``backend``'s forward on this case (None when it cannot serve it)."""
+        if backend.validate(self.spec):
             return None
         c = self.case
-        workspace = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
-        indptr = torch.tensor(self.indptr, dtype=torch.int32, device="cuda")
-        indices = self.indices.cuda()
-        last = torch.tensor([(s - 1) % PAGE + 1 for s in c.seq_lens], dtype=torch.int32,
-                            device="cuda")
-        kv = (self.cache[0], self.cache[1])
-        if c.decode:
-            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
-            w.plan(indptr, indices, last, c.num_heads, c.num_kv_heads, HEAD, PAGE,
-                   q_data_type=DTYPE, kv_data_type=DTYPE)
-        else:
-            w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-            w.plan(self.qsl.cuda(), indptr, indices, last, c.num_heads, c.num_kv_heads, HEAD,
-                   PAGE, causal=True, q_data_type=DTYPE, kv_data_type=DTYPE)
-        return lambda: w.run(self.q, kv)
+        meta = backend.get_builder_cls()(self.spec, torch.device("cuda")).build(self.common)
+        impl = backend.get_impl_cls()(c.num_heads, HEAD, HEAD**-0.5, c.num_kv_heads, self.spec)
+        new_kv = self.q.new_zeros(self.q.shape[0], c.num_kv_heads, HEAD)
+        return lambda: impl.forward(self.q, new_kv, new_kv, self.cache, meta)
 
 
 def time_us(fn) -> float:
@@ -159,35 +154,45 @@ def sweep_cases() -> list[Case]:
     return cases
 
 
+def vendor_backends() -> dict[str, type[AttentionBackend]]:
+    found = {backend.name: backend for backend, _ in discover_backends()}
+    return {name: found[name] for name in VENDOR if name in found}
+
+
 def measure(case: Case, kernel: KernelConfig | None = None) -> dict:
     bench = Bench(case)
     cfg, ours = bench.triton_fn(kernel)
-    row = {"case": case.name, "config": cfg, "ours_us": time_us(ours)}
-    fi = bench.flashinfer_fn()
-    if fi is not None:
-        err = (ours().float() - fi().float()).abs().max().item()
+    row = {"case": case.name, "config": cfg, "TRITON_ATTN": time_us(ours)}
+    expected = ours().float()
+    for name, backend in vendor_backends().items():
+        fn = bench.backend_fn(backend)
+        if fn is None:
+            continue
+        err = (fn().float() - expected).abs().max().item()
         if err > 5e-2:
-            raise AssertionError(f"{case.name}: TRITON_ATTN and FlashInfer differ by {err}")
-        row["fi_us"] = time_us(fi)
-    scale = case.kv_bytes() / 1e12 if case.decode else case.flops() / 1e12
-    row["ours_rate"] = scale / (row["ours_us"] / 1e6)
-    if "fi_us" in row:
-        row["fi_rate"] = scale / (row["fi_us"] / 1e6)
+            raise AssertionError(f"{case.name}: {name} and TRITON_ATTN differ by {err}")
+        row[name] = time_us(fn)
+    row["scale"] = case.kv_bytes() / 1e12 if case.decode else case.flops() / 1e12
     return row
 
 
 def fmt(row: dict, decode: bool) -> str:
     unit = "TB/s" if decode else "TFLOP/s"
-    fi = (f"{row['fi_us']:9.1f} {row['fi_rate']:8.2f} {row['fi_us'] / row['ours_us']:6.2f}"
-          if "fi_us" in row else f"{'-':>9} {'-':>8} {'-':>6}")
+    cells = []
+    for name in ("TRITON_ATTN", *VENDOR):
+        if name not in row:
+            cells.append("-")
+            continue
+        rate = row["scale"] / (row[name] / 1e6)
+        ratio = "" if name == "TRITON_ATTN" else f", {row['TRITON_ATTN'] / row[name]:.2f}x"
+        cells.append(f"{row[name]:.1f} us, {rate:.2f} {unit}{ratio}")
     c = row["config"]
     cfg = f"q{c.block_q} m{c.block_m} n{c.block_n} w{c.num_warps} s{c.num_stages} x{c.num_splits}"
-    return (f"| {row['case']:<28} | {row['ours_us']:9.1f} | {row['ours_rate']:8.2f} {unit} | "
-            f"{fi} | {cfg} |")
+    return f"| {row['case']:<28} | " + " | ".join(cells) + f" | {cfg} |"
 
 
-HEADER = ("| shape | TRITON_ATTN us | rate | FlashInfer us, rate, ratio (ours/FI speed) | "
-          "config |\n|---|---|---|---|---|")
+HEADER = ("| shape | TRITON_ATTN | FLASHINFER (speed vs TRITON_ATTN) | FLASH_ATTN (speed vs "
+          "TRITON_ATTN) | TRITON_ATTN config |\n|---|---|---|---|---|")
 
 
 def tune(case: Case) -> None:

@@ -4,7 +4,9 @@
 # input 100-1024, output 100-1024, seed 0, block size 16, bf16. One run per engine variant, so
 # the gain of each piece shows, then the first 128 prompts against Hugging Face generate.
 # Every table is appended to $RESULTS (default benchmarks/RESULTS.md).
-#   bash benchmarks/throughput_gpu.sh            # after installing the core and plugins
+# With the argument "backends": the auto choice, then every GPU backend forced (fastest of two
+# runs each), so the selector's choice can be checked against the fastest.
+#   bash benchmarks/throughput_gpu.sh [backends]   # after installing the core and plugins
 set -euo pipefail
 model="${MODEL:-/tmp/qwen3-0.6b}"
 results="${RESULTS:-benchmarks/RESULTS.md}"
@@ -14,6 +16,13 @@ bench() {
         --input-len 100 1024 --output-len 100 1024 --seed 0 --block-size 16 --dtype bfloat16 \
         --append-results "$results" "$@" 2>&1 | grep -v INFO
 }
+if [ "${1:-}" = backends ]; then
+    bench --repeat 2 --label "Qwen3-0.6B shape, auto backend choice"
+    for name in TRITON_ATTN FLASHINFER FLASH_ATTN; do
+        bench --repeat 2 --attention-backend "$name" --label "Qwen3-0.6B shape, $name forced"
+    done
+    exit 0
+fi
 bench --label "Qwen3-0.6B shape, all on (TRITON_ATTN, CUDA graphs, fusion, async scheduling)"
 bench --no-async-scheduling --label "Qwen3-0.6B shape, without async scheduling"
 bench --no-enable-fusion --label "Qwen3-0.6B shape, without fused elementwise ops"

@@ -10,6 +10,7 @@ from hitchllm.attention.backend import (
 )
 from hitchllm.attention.forward_context import get_forward_context, set_forward_context
 from hitchllm.attention.layer import Attention
+from hitchllm.attention.paged_write import nhd_cache_shape, write_nhd
 from hitchllm.attention.selector import (
     AttentionBackendError,
     rank_backends,
@@ -28,7 +29,9 @@ __all__ = [
     "CudaGraphSupport",
     "TorchAttentionBackend",
     "get_forward_context",
+    "nhd_cache_shape",
     "rank_backends",
     "select_attention_backend",
     "set_forward_context",
+    "write_nhd",
 ]

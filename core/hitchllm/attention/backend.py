@@ -67,6 +67,10 @@ class CommonAttentionMetadata:
     num_actual_tokens: int
     max_query_len: int
     max_seq_len: int
+    # Host copy of the block table's first ceil(max_seq_len / block_size) columns for the real
+    # requests (padding requests of a CUDA-graph batch have no row), for builders that plan
+    # on the host (FlashInfer's page lists). None when the caller has none.
+    block_table_cpu: torch.Tensor | None = None
     # True when this batch is captured into, or replayed from, a CUDA graph (see
     # ``CudaGraphSupport``): then the device tensors above are views of buffers that stay in
     # place for the engine's lifetime, ``num_reqs`` counts padding requests too (query length

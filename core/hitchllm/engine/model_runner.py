@@ -348,6 +348,7 @@ class ModelRunner:
             seq_lens_cpu=b.seq_lens.cpu[:total_reqs],
             num_computed_tokens_cpu=b.num_computed.cpu[:total_reqs],
             block_table=self._block_table(block_table, total_reqs),
+            block_table_cpu=torch.from_numpy(np.ascontiguousarray(block_table, dtype=np.int32)),
             slot_mapping=b.slot_mapping.to_device(total_tokens),
             num_reqs=total_reqs,
             num_actual_tokens=total_tokens,
