@@ -1,12 +1,14 @@
 """hitchllm: an LLM inference and serving engine, a small core plus installable plugins.
 
-``from hitchllm import LLM, SamplingParams, hookimpl``
+``from hitchllm import LLM, SamplingParams, hookimpl``; ``LLM()`` with no model loads the bundled
+default model (``default_model_path()``).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from hitchllm.bundled_model import default_model_path
 from hitchllm.outputs import CompletionOutput, Logprob, RequestOutput
 from hitchllm.plugins import hookimpl
 from hitchllm.sampling_params import SamplingParams
@@ -27,6 +29,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "__version__",
+    "default_model_path",
     "hookimpl",
 ]
 

@@ -13,6 +13,8 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from hitchllm.bundled_model import default_model_path
+
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
     "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
@@ -47,7 +49,8 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str
+    # A checkpoint directory; default: the small code model bundled with the package.
+    model: str = Field(default_factory=default_model_path)
     tokenizer: str | None = None
     dtype: str = "auto"
     # Default from HITCHLLM_DEVICE when set (handy to pin a test run), else "auto".

@@ -1,5 +1,5 @@
 """The ``hitchllm`` command: ``generate``, ``chat``, ``serve``, ``bench``, ``backends``,
-``tiny-model``."""
+``tiny-model``. Without ``--model`` they use the bundled default model."""
 
 from __future__ import annotations
 
@@ -7,15 +7,17 @@ import argparse
 import sys
 from typing import Any
 
-from hitchllm.entrypoints import bench_serve, bench_throughput
+from hitchllm.bundled_model import default_model_path
+from hitchllm.entrypoints import bench_perplexity, bench_serve, bench_throughput
 from hitchllm.entrypoints.backends_table import print_backends
 from hitchllm.sampling_params import SamplingParams
 
 
-def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Flags that become ``EngineConfig`` fields."""
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", required=model_required, help="checkpoint directory")
+    g.add_argument("--model", default=default_model_path(),
+                   help="checkpoint directory (default: the bundled code model)")
     g.add_argument("--tokenizer", help="tokenizer directory (default: the model's)")
     g.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
     g.add_argument("--device", help="auto (default), cpu or cuda[:N]")
@@ -181,6 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     bench_throughput.add_args(p)
     p.set_defaults(func=lambda a: bench_throughput.main(a, engine_kwargs(a)))
+    p = bench.add_parser("perplexity", help="loss, perplexity and bits per byte on text files")
+    add_engine_args(p)
+    bench_perplexity.add_args(p)
+    p.set_defaults(func=lambda a: bench_perplexity.main(a, engine_kwargs(a)))
 
     p = sub.add_parser("backends", help="list attention backends and which one auto mode picks")
     p.add_argument("--model", help="checkpoint directory (default: a typical 8B-like shape)")

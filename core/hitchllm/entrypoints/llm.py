@@ -14,7 +14,7 @@ from hitchllm.sampling_params import SamplingParams
 
 
 class LLM:
-    """Generate from a Hugging Face checkpoint directory.
+    """Generate from a Hugging Face checkpoint directory (default: the bundled code model).
 
     >>> llm = LLM(model="path/to/checkpoint")
     >>> out = llm.generate(["def add(a, b):"], SamplingParams(max_tokens=16, temperature=0))
@@ -26,8 +26,10 @@ class LLM:
     raises ``pydantic.ValidationError`` (a ``ValueError``) naming the field.
     """
 
-    def __init__(self, model: str, **engine_args: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        if model is not None:
+            engine_args["model"] = model
+        self.engine = LLMEngine(EngineConfig(**engine_args))
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
