@@ -27,7 +27,12 @@ pytest.importorskip("hitchllm_attention_flashinfer")
 import hitchllm_attention_flash.backend as flash_backend
 import hitchllm_attention_flashinfer.backend as fi_backend
 from hitchllm import LLM, SamplingParams
-from hitchllm.attention import AttentionBackendError, AttentionSpec, write_nhd
+from hitchllm.attention import (
+    AttentionBackendError,
+    AttentionSpec,
+    CommonAttentionMetadata,
+    write_nhd,
+)
 from hitchllm.attention.selector import discover_backends
 from hitchllm.tiny_model import build_tiny_checkpoint
 from hitchllm_attention_flash import FlashAttentionBackend
@@ -248,6 +253,32 @@ def test_flash_attention_2_path_window_soft_cap_and_scale(fake_fa2):
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
+def test_flash_attention_2_graph_batches_keep_their_buffer(fake_fa2):
+    """The cumulative lengths a captured graph reads stay at one address, whatever eager
+    batches (larger than any graph) come in between."""
+    spec = spec_for("cpu", dtype=torch.float32, heads=(4, 2), head_size=16, block_size=256)
+    builder = FlashAttentionBackend.get_builder_cls()(spec, torch.device("cpu"))
+
+    def build(seq_lens, cuda_graph):
+        n = len(seq_lens)
+        seq = torch.tensor(seq_lens, dtype=torch.int32)
+        qsl = torch.arange(n + 1, dtype=torch.int32)
+        common = CommonAttentionMetadata(
+            query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq, seq_lens_cpu=seq,
+            num_computed_tokens_cpu=seq - 1, block_table=torch.zeros(n, 1, dtype=torch.int32),
+            slot_mapping=torch.zeros(n, dtype=torch.int64), num_reqs=n, num_actual_tokens=n,
+            max_query_len=1, max_seq_len=max(seq_lens), cuda_graph=cuda_graph)
+        return builder.build(common).cu_seq_lens
+
+    captured = build([0] * 4, cuda_graph=True)  # capture: the largest size first
+    eager = build(list(range(1, 13)), cuda_graph=False)
+    assert eager.tolist() == [0, *np.cumsum(range(1, 13))]
+    replay = build([5, 7, 0, 0], cuda_graph=True)
+    assert replay.data_ptr() == captured.data_ptr() and replay.tolist() == [0, 5, 12, 12, 12]
+    with pytest.raises(RuntimeError, match="largest graph size first"):
+        build([1] * 5, cuda_graph=True)
+
+
 def test_nhd_write_skips_padding_into_the_spare_block():
     cache = torch.zeros(FlashAttentionBackend.get_kv_cache_shape(3, 4, 2, 8))
     key, value = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
@@ -294,6 +325,48 @@ def test_gpu_matches_float64_reference(name, case, heads):
         out, ref = run_backend(BACKENDS[name], *GPU_CASES[case], *heads, head_size=128,
                                block_size=block_size, dtype=torch.bfloat16, device="cuda")
         torch.testing.assert_close(out.double().cpu(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_gpu_graph_batches_with_padding_requests_replanned(name):
+    """CUDA-graph metadata (padding requests with context 0 and slot -1, max_seq_len an upper
+    bound) built twice by one builder for the same padded size with different contexts: the
+    real requests' outputs match the reference both times."""
+    _usable(name)
+    backend, dev = BACKENDS[name], torch.device("cuda")
+    heads, head_size, block_size, pad_to = (16, 8), 128, 16, 8
+    spec = AttentionSpec.for_device(dev, dtype=torch.bfloat16, kv_cache_dtype=torch.bfloat16,
+                                    head_size=head_size, num_heads=heads[0],
+                                    num_kv_heads=heads[1], block_size=block_size)
+    builder = backend.get_builder_cls()(spec, dev)
+    impl = backend.get_impl_cls()(heads[0], head_size, head_size**-0.5, heads[1], spec)
+    for seed, contexts in enumerate(([100, 3, 700, 31, 16], [2047, 1, 64, 500, 9])):
+        n = len(contexts)
+        cache = torch.zeros(backend.get_kv_cache_shape(200, block_size, heads[1], head_size),
+                            dtype=torch.bfloat16, device=dev)
+        batch = make_batch(contexts, [1] * n, *heads, head_size, block_size, 200, cache,
+                           torch.bfloat16, seed=seed,
+                           write_context=lambda sl, k, v, cache=cache: write_nhd(cache, k, v, sl))
+        c = batch.common
+        pad = pad_to - n
+        qsl = torch.arange(pad_to + 1, dtype=torch.int32)
+        seq = torch.cat([c.seq_lens_cpu, torch.zeros(pad, dtype=torch.int32)])
+        table = torch.cat([c.block_table.cpu(), c.block_table.cpu()[:1].repeat(pad, 1)])
+        common = CommonAttentionMetadata(
+            query_start_loc=qsl.to(dev), query_start_loc_cpu=qsl, seq_lens=seq.to(dev),
+            seq_lens_cpu=seq, num_computed_tokens_cpu=torch.cat(
+                [c.num_computed_tokens_cpu, torch.zeros(pad, dtype=torch.int32)]),
+            block_table=table.to(dev), block_table_cpu=c.block_table.cpu(),
+            slot_mapping=torch.cat([c.slot_mapping, torch.full((pad,), -1, device=dev)]),
+            num_reqs=pad_to, num_actual_tokens=pad_to, max_query_len=1, max_seq_len=4096,
+            cuda_graph=True)
+        pad_q = torch.randn(pad, heads[0], head_size, dtype=torch.bfloat16, device=dev)
+        pad_kv = torch.randn(pad, heads[1], head_size, dtype=torch.bfloat16, device=dev)
+        out = impl.forward(torch.cat([batch.query, pad_q]), torch.cat([batch.key, pad_kv]),
+                           torch.cat([batch.value, pad_kv]), cache, builder.build(common))
+        ref = reference_attention(batch, head_size**-0.5, dtype=torch.bfloat16)
+        torch.testing.assert_close(out[:n].double().cpu(), ref, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu

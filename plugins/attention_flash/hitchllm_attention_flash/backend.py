@@ -87,22 +87,21 @@ class FlashAttentionMetadata:
 
 class FlashAttentionMetadataBuilder(AttentionMetadataBuilder):
     """Hands the engine's tensors through; FlashAttention-2 also needs cumulative context
-    lengths, computed on the device into a buffer kept across steps (CUDA graphs replay it)."""
+    lengths, computed on the device: for CUDA-graph batches into one buffer that the graphs
+    captured (sized by the first, largest, graph batch and never replaced), for other batches
+    into a fresh tensor."""
 
     def __init__(self, spec: AttentionSpec, device: torch.device) -> None:
         super().__init__(spec, device)
         self.version = choose_version(spec)
-        self._cu_seq_lens = torch.zeros(1, dtype=torch.int32, device=device)
+        self._graph_cu_seq_lens: torch.Tensor | None = None
 
     def build(self, common: CommonAttentionMetadata) -> FlashAttentionMetadata:
         n = common.num_reqs
         seq_lens = common.seq_lens[:n]
         cu = None
         if self.version == 2:
-            if self._cu_seq_lens.numel() < n + 1:
-                self._cu_seq_lens = torch.zeros(2 * (n + 1), dtype=torch.int32,
-                                                device=self.device)
-            cu = self._cu_seq_lens[: n + 1]
+            cu = self._cu_buffer(n, common.cuda_graph)
             torch.cumsum(seq_lens, 0, dtype=torch.int32, out=cu[1:])
         return FlashAttentionMetadata(
             slot_mapping=common.slot_mapping[: common.num_actual_tokens],
@@ -114,6 +113,17 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder):
             max_seq_len=max(1, common.max_seq_len),
             num_tokens=common.num_actual_tokens,
         )
+
+
+    def _cu_buffer(self, n: int, cuda_graph: bool) -> torch.Tensor:
+        if not cuda_graph:
+            return torch.zeros(n + 1, dtype=torch.int32, device=self.device)
+        if self._graph_cu_seq_lens is None:  # the engine captures its largest size first
+            self._graph_cu_seq_lens = torch.zeros(n + 1, dtype=torch.int32, device=self.device)
+        if self._graph_cu_seq_lens.numel() < n + 1:
+            raise RuntimeError(f"a CUDA-graph batch of {n} requests came after smaller ones: "
+                               "capture the largest graph size first")
+        return self._graph_cu_seq_lens[: n + 1]
 
 
 class FlashAttentionImpl(AttentionImpl):

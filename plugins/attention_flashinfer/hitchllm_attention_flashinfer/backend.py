@@ -36,6 +36,8 @@ from hitchllm.attention import (
 HEAD_SIZES = (64, 128, 256)
 #: Float workspace shared by the wrappers (split-KV partial results); FlashInfer suggests 128 MB.
 WORKSPACE_BYTES = 128 * 1024 * 1024
+#: FlashInfer's int workspace (plan data), the size its wrappers allocate for themselves.
+INT_WORKSPACE_BYTES = 8 * 1024 * 1024
 INSTALL_HINT = "pip install 'hitchllm-attention-flashinfer[kernels]' (or flashinfer-python)"
 
 
@@ -77,12 +79,16 @@ def page_lists(
 
 @dataclass
 class PageLists:
-    """FlashInfer's description of the pages each request reads: ``indptr`` [n + 1] and
-    ``last_page_len`` [n] on the host, ``indices`` [indptr[-1]] staged on the host."""
+    """FlashInfer's description of the step: ``indptr`` [n + 1], ``last_page_len`` [n] and
+    ``qo_indptr`` [n + 1] (query start locations) in pinned host memory, ``indices``
+    [indptr[-1]] on the device. The host tensors are copied to the device asynchronously by
+    the plan, so they live in the builder's staging buffer, which the builder's event guards
+    (the engine's own host buffers are refilled for the next step without waiting for them)."""
 
     indptr: torch.Tensor
     indices: torch.Tensor
     last_page_len: torch.Tensor
+    qo_indptr: torch.Tensor
 
 
 class FlashInferMetadataBuilder(AttentionMetadataBuilder):
@@ -107,6 +113,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self._workspace, "NHD", use_tensor_cores=self._tensor_cores)
         self._graph_decode: dict[int, Any] = {}
+        self._graph_int_workspace: torch.Tensor | None = None
         self._staging = torch.empty(0, dtype=torch.int32, pin_memory=device.type == "cuda")
         self._planned: torch.cuda.Event | None = None
         self._window_left = spec.sliding_window - 1 if spec.sliding_window else -1
@@ -133,7 +140,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
                          logits_soft_cap=spec.logits_soft_cap or 0.0, **kinds)
         else:
             wrapper = self._prefill
-            wrapper.plan(common.query_start_loc_cpu[: n + 1], pages.indptr, pages.indices,
+            wrapper.plan(pages.qo_indptr, pages.indptr, pages.indices,
                          pages.last_page_len, spec.num_heads, spec.num_kv_heads,
                          spec.head_size, spec.block_size, causal=True,
                          logits_soft_cap=spec.logits_soft_cap, **kinds)
@@ -151,19 +158,22 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         n = common.num_reqs
         indptr, indices, last = page_lists(common.block_table_cpu.numpy(),
                                            common.seq_lens_cpu[:n].numpy(), self.spec.block_size)
-        total = len(indices)
-        need = (n + 1) + n + total
+        # One pinned buffer: [indptr | last_page_len | qo_indptr | indices].
+        a, b, c = n + 1, 2 * n + 1, 3 * n + 2
+        need = c + len(indices)
         if self._staging.numel() < need:
             self._staging = torch.empty(max(need, 2 * self._staging.numel()), dtype=torch.int32,
                                         pin_memory=self.device.type == "cuda")
         buf = self._staging.numpy()
-        buf[: n + 1] = indptr
-        buf[n + 1 : 2 * n + 1] = last
-        buf[2 * n + 1 : need] = indices
+        buf[:a] = indptr
+        buf[a:b] = last
+        buf[b:c] = common.query_start_loc_cpu[: n + 1].numpy()
+        buf[c:need] = indices
         return PageLists(
-            indptr=self._staging[: n + 1],
-            indices=self._staging[2 * n + 1 : need].to(self.device, non_blocking=True),
-            last_page_len=self._staging[n + 1 : 2 * n + 1],
+            indptr=self._staging[:a],
+            indices=self._staging[c:need].to(self.device, non_blocking=True),
+            last_page_len=self._staging[a:b],
+            qo_indptr=self._staging[b:c],
         )
 
     def _graph_wrapper(self, size: int, max_seq_len: int) -> Any:
@@ -181,6 +191,13 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
                 paged_kv_indices_buffer=torch.zeros(max_pages, **i32),
                 paged_kv_last_page_len_buffer=torch.zeros(size, **i32),
             )
+            # The graph wrappers share one int workspace (FlashInfer's own is 8 MiB each,
+            # allocated after the KV cache was sized): each replay is re-planned right before
+            # it runs, on the same stream, so no two graphs need their plans at once.
+            if self._graph_int_workspace is None:
+                self._graph_int_workspace = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8,
+                                                        device=self.device)
+            wrapper.reset_workspace_buffer(self._workspace, self._graph_int_workspace)
             self._graph_decode[size] = wrapper
         return wrapper
 
