@@ -31,6 +31,7 @@ from hitchllm.attention import (
     AttentionBackendError,
     AttentionSpec,
     CommonAttentionMetadata,
+    pad_rows,
     write_nhd,
 )
 from hitchllm.attention.selector import discover_backends
@@ -277,6 +278,17 @@ def test_flash_attention_2_graph_batches_keep_their_buffer(fake_fa2):
     assert replay.data_ptr() == captured.data_ptr() and replay.tolist() == [0, 5, 12, 12, 12]
     with pytest.raises(RuntimeError, match="largest graph size first"):
         build([1] * 5, cuda_graph=True)
+
+
+def test_outputs_pad_back_to_the_layer_rows_and_flashinfer_scale_factor():
+    out = torch.randn(3, 2, 4)
+    assert pad_rows(out, 3) is out  # no copy without padding
+    padded = pad_rows(out, 5)
+    assert torch.equal(padded[:3], out) and not padded[3:].any()
+    spec = spec_for()
+    impl_cls = FlashInferAttentionBackend.get_impl_cls()
+    assert impl_cls(32, 128, 128**-0.5, 8, spec).q_factor is None
+    assert impl_cls(32, 128, 0.1, 8, spec).q_factor == pytest.approx(0.1 * 128**0.5)
 
 
 def test_nhd_write_skips_padding_into_the_spare_block():

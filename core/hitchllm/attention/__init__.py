@@ -10,7 +10,12 @@ from hitchllm.attention.backend import (
 )
 from hitchllm.attention.forward_context import get_forward_context, set_forward_context
 from hitchllm.attention.layer import Attention
-from hitchllm.attention.paged_write import nhd_cache_shape, write_nhd
+from hitchllm.attention.paged_write import (
+    gpu_kernel_reasons,
+    nhd_cache_shape,
+    pad_rows,
+    write_nhd,
+)
 from hitchllm.attention.selector import (
     AttentionBackendError,
     rank_backends,
@@ -29,7 +34,9 @@ __all__ = [
     "CudaGraphSupport",
     "TorchAttentionBackend",
     "get_forward_context",
+    "gpu_kernel_reasons",
     "nhd_cache_shape",
+    "pad_rows",
     "rank_backends",
     "select_attention_backend",
     "set_forward_context",

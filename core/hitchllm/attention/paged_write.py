@@ -1,15 +1,19 @@
-"""Writing a step's new K/V into a paged cache laid out as keys and values of whole tokens.
+"""Helpers for GPU kernel backends whose cache holds keys and values of whole tokens.
 
 Backends whose cache is ``(2, num_blocks + 1, block_size, num_kv_heads, head_size)`` (keys at
 index 0, values at 1; FlashInfer's and FlashAttention's "NHD" page layout, plus one spare
 block) can share this write: padding slots (-1) are redirected to the spare last block, so the
 write is two ``index_copy_`` calls with no data-dependent shapes and no host sync, which keeps
-it safe inside CUDA graphs.
+it safe inside CUDA graphs. ``gpu_kernel_reasons`` lists the limits such kernels commonly
+share, worded the same for every backend; ``pad_rows`` pads a kernel's output back to the
+layer's row count.
 """
 
 from __future__ import annotations
 
 import torch
+
+from hitchllm.attention.backend import AttentionSpec
 
 
 def nhd_cache_shape(
@@ -33,3 +37,35 @@ def write_nhd(
     slots = slot_mapping.masked_fill(slot_mapping < 0, (blocks - 1) * block_size)
     flat[0].index_copy_(0, slots, key[:n].reshape(n, -1).to(flat.dtype))
     flat[1].index_copy_(0, slots, value[:n].reshape(n, -1).to(flat.dtype))
+
+
+def gpu_kernel_reasons(
+    spec: AttentionSpec, dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
+) -> list[str]:
+    """Reasons a half-precision GPU attention kernel cannot serve ``spec``: an MLA model, a
+    dtype outside ``dtypes``, a KV-cache dtype other than the model's, query heads that are
+    not a multiple of the KV heads. A backend adds its own (device, head sizes, ...)."""
+    reasons = []
+    if spec.use_mla:
+        reasons.append("MLA models need an MLA backend (FLASHINFER_MLA or TRITON_MLA)")
+    if spec.dtype not in dtypes:
+        names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        reasons.append(f"dtype {spec.dtype} is not supported (use {names})")
+    if spec.kv_cache_dtype != spec.dtype:
+        reasons.append(f"KV-cache dtype {spec.kv_cache_dtype} differs from the model dtype "
+                       f"{spec.dtype}; this backend needs them equal")
+    if spec.num_heads % spec.num_kv_heads:
+        reasons.append(f"{spec.num_heads} query heads are not a multiple of "
+                       f"{spec.num_kv_heads} KV heads")
+    return reasons
+
+
+def pad_rows(out: torch.Tensor, rows: int) -> torch.Tensor:
+    """``out`` ([n, ...], a kernel's output for the step's n real tokens) as ``rows`` rows,
+    zeros after the first n: the layer's output must match its (possibly padded) input. No
+    copy when there is no padding."""
+    if out.shape[0] == rows:
+        return out
+    padded = out.new_zeros(rows, *out.shape[1:])
+    padded[: out.shape[0]] = out
+    return padded

@@ -29,7 +29,9 @@ from hitchllm.attention import (
     AttentionSpec,
     CommonAttentionMetadata,
     CudaGraphSupport,
+    gpu_kernel_reasons,
     nhd_cache_shape,
+    pad_rows,
     write_nhd,
 )
 
@@ -147,15 +149,10 @@ class FlashAttentionImpl(AttentionImpl):
     ) -> torch.Tensor:
         n = metadata.num_tokens
         write_nhd(kv_cache, key, value, metadata.slot_mapping)
-        out = torch.zeros_like(query) if n < query.shape[0] else torch.empty_like(query)
         if n == 0:
-            return out
-        q = query[:n]
-        if self.version == 4:
-            out[:n] = self._fa4(q, kv_cache, metadata)
-        else:
-            out[:n] = self._fa2(q, kv_cache, metadata)
-        return out
+            return torch.zeros_like(query)
+        run = self._fa4 if self.version == 4 else self._fa2
+        return pad_rows(run(query[:n], kv_cache, metadata), query.shape[0])
 
     def _fa4(self, q: torch.Tensor, kv_cache: torch.Tensor,
              m: FlashAttentionMetadata) -> torch.Tensor:
@@ -218,13 +215,7 @@ class FlashAttentionBackend(AttentionBackend):
                     f"{FA2_BLOCK_MULTIPLE} (block_size is {spec.block_size}: pass "
                     f"block_size={FA2_BLOCK_MULTIPLE} / --block-size {FA2_BLOCK_MULTIPLE}, or "
                     "install flash-attn-4 on Hopper/Blackwell, which takes any block size)")
-        if spec.use_mla:
-            reasons.append("MLA models need an MLA backend (FLASHINFER_MLA or TRITON_MLA)")
-        if spec.dtype not in (torch.float16, torch.bfloat16):
-            reasons.append(f"dtype {spec.dtype} is not supported (use bfloat16 or float16)")
-        if spec.kv_cache_dtype != spec.dtype:
-            reasons.append(f"KV-cache dtype {spec.kv_cache_dtype} differs from the model dtype "
-                           f"{spec.dtype}; this backend needs them equal")
+        reasons += gpu_kernel_reasons(spec)
         if spec.head_size % 8 or not 8 <= spec.head_size <= 256:
             reasons.append(f"head size {spec.head_size} is not supported (a multiple of 8 "
                            "from 8 to 256)")
@@ -232,9 +223,6 @@ class FlashAttentionBackend(AttentionBackend):
                 128 < spec.head_size < 256:
             reasons.append(f"head size {spec.head_size} is not supported by FlashAttention-4 "
                            "on Blackwell (up to 128, or 256)")
-        if spec.num_heads % spec.num_kv_heads:
-            reasons.append(f"{spec.num_heads} query heads are not a multiple of "
-                           f"{spec.num_kv_heads} KV heads")
         return reasons
 
     @classmethod

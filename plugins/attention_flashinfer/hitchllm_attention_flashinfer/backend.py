@@ -28,7 +28,9 @@ from hitchllm.attention import (
     AttentionSpec,
     CommonAttentionMetadata,
     CudaGraphSupport,
+    gpu_kernel_reasons,
     nhd_cache_shape,
+    pad_rows,
     write_nhd,
 )
 
@@ -205,6 +207,15 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
 class FlashInferAttentionImpl(AttentionImpl):
     """Writes K/V into the pages, then runs the step's planned wrapper."""
 
+    def __init__(
+        self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, spec: AttentionSpec
+    ) -> None:
+        super().__init__(num_heads, head_size, scale, num_kv_heads, spec)
+        # The plan fixes the softmax scale at 1/sqrt(head_size); a model with its own scale
+        # rescales q by this factor instead (None: no rescaling).
+        ratio = scale * math.sqrt(head_size)
+        self.q_factor = None if math.isclose(ratio, 1.0, rel_tol=1e-6) else ratio
+
     def forward(
         self,
         query: torch.Tensor,
@@ -218,16 +229,9 @@ class FlashInferAttentionImpl(AttentionImpl):
         if metadata.wrapper is None:
             return torch.zeros_like(query)
         q = query[:n].contiguous()
-        default_scale = 1.0 / math.sqrt(self.head_size)
-        if not math.isclose(self.scale, default_scale, rel_tol=1e-6):
-            # The plan fixes the softmax scale; a model with its own scale rescales q instead.
-            q = q * (self.scale / default_scale)
-        out = metadata.wrapper.run(q, (kv_cache[0], kv_cache[1]))
-        if n == query.shape[0]:
-            return out
-        padded = torch.zeros_like(query)
-        padded[:n] = out
-        return padded
+        if self.q_factor is not None:
+            q = q * self.q_factor
+        return pad_rows(metadata.wrapper.run(q, (kv_cache[0], kv_cache[1])), query.shape[0])
 
 
 class FlashInferAttentionBackend(AttentionBackend):
@@ -250,19 +254,10 @@ class FlashInferAttentionBackend(AttentionBackend):
             major, minor = spec.device_capability
             reasons.append(f"compute capability {major}.{minor} is below 8.0 (FlashInfer's "
                            "bf16/fp16 kernels need Ampere or newer)")
-        if spec.use_mla:
-            reasons.append("MLA models need an MLA backend (FLASHINFER_MLA or TRITON_MLA)")
-        if spec.dtype not in (torch.float16, torch.bfloat16):
-            reasons.append(f"dtype {spec.dtype} is not supported (use bfloat16 or float16)")
-        if spec.kv_cache_dtype != spec.dtype:
-            reasons.append(f"KV-cache dtype {spec.kv_cache_dtype} differs from the model dtype "
-                           f"{spec.dtype}; this backend needs them equal")
+        reasons += gpu_kernel_reasons(spec)
         if spec.head_size not in HEAD_SIZES:
             reasons.append(f"head size {spec.head_size} is not supported (FlashInfer serves "
                            f"{', '.join(map(str, HEAD_SIZES))})")
-        if spec.num_heads % spec.num_kv_heads:
-            reasons.append(f"{spec.num_heads} query heads are not a multiple of "
-                           f"{spec.num_kv_heads} KV heads")
         return reasons
 
     @classmethod
