@@ -120,6 +120,24 @@ class TorchAttentionImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         metadata: TorchAttentionMetadata,
     ) -> torch.Tensor:
+        self.write_kv_cache(kv_cache, key, value, metadata.slot_mapping)
+        key_cache, value_cache = kv_cache.unbind(0)
+        out = torch.zeros_like(query)
+        for p in metadata.prefills:
+            out[p.query_start : p.query_start + p.query_len] = self.attend_request(
+                query[p.query_start : p.query_start + p.query_len], key_cache, value_cache,
+                metadata.block_table[p.row], p.context_len)
+        if metadata.batched is not None:
+            b = metadata.batched
+            out[b.token_idx] = self._attend_batched(query[b.token_idx], key_cache, value_cache, b)
+        return out
+
+    def write_kv_cache(
+        self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Write ``key``/``value`` ([>= num_slots, kv_heads, d]) to their slots of the
+        head-major cache (a layout other backends may share, see ``get_kv_cache_shape``)."""
         # Head-major layout [kv_heads, blocks, block_size, d]: gathering a request's blocks
         # for one head yields its context as one contiguous [len, d] matrix.
         key_cache, value_cache = kv_cache.unbind(0)
@@ -129,20 +147,9 @@ class TorchAttentionImpl(AttentionImpl):
         # The cache holds one extra block at the end: padding slots (-1) are redirected there
         # so the write needs no data-dependent indexing (which would sync with the host).
         sink = flat_k.shape[1] - block_size
-        slots = metadata.slot_mapping
-        slots = torch.where(slots < 0, torch.full_like(slots, sink), slots)
+        slots = torch.where(slot_mapping < 0, torch.full_like(slot_mapping, sink), slot_mapping)
         flat_k.index_copy_(1, slots, key[: len(slots)].transpose(0, 1).to(flat_k.dtype))
         flat_v.index_copy_(1, slots, value[: len(slots)].transpose(0, 1).to(flat_v.dtype))
-
-        out = torch.zeros_like(query)
-        for p in metadata.prefills:
-            out[p.query_start : p.query_start + p.query_len] = self._attend_alone(
-                query[p.query_start : p.query_start + p.query_len], key_cache, value_cache,
-                metadata.block_table[p.row], p.context_len)
-        if metadata.batched is not None:
-            b = metadata.batched
-            out[b.token_idx] = self._attend_batched(query[b.token_idx], key_cache, value_cache, b)
-        return out
 
     def _gather(
         self, cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int, dtype: torch.dtype
@@ -156,11 +163,13 @@ class TorchAttentionImpl(AttentionImpl):
         shape = (self.num_kv_heads, *block_table.shape, block_size, self.head_size)
         return rows.view(shape).flatten(-3, -2)[..., :num_tokens, :].to(dtype)
 
-    def _attend_alone(
+    def attend_request(
         self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
         block_table: torch.Tensor, context_len: int,
     ) -> torch.Tensor:
-        """One request's ``q_len`` new tokens over its ``context_len + q_len`` context."""
+        """One request's ``q_len`` new tokens ([q_len, heads, d]) over its ``context_len +
+        q_len`` context, gathered from the head-major caches through its ``block_table`` row,
+        with SDPA. Backends sharing TORCH's cache layout may call it for long queries."""
         q_len = q.shape[0]
         seq_len = context_len + q_len
         cols = -(-seq_len // key_cache.shape[2])

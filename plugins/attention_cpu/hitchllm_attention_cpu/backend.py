@@ -1,0 +1,169 @@
+"""CPU_ATTN: TORCH's cache layout and prompt path, with a C kernel for decode-like requests.
+
+On a CPU the TORCH backend spends most of a decode step copying every request's context out of
+the paged cache (a gather per layer) before its matmuls read it again. Here requests with few
+new tokens (decodes, short chunks) go to the C kernel in paged_attention.c, which reads keys and
+values where they lie, once. Requests with many new tokens (prompts) keep TORCH's path: gather
+their context once and run SDPA, whose blocked matmuls beat any per-token loop there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from hitchllm.attention import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionSpec,
+    CommonAttentionMetadata,
+    TorchAttentionBackend,
+)
+from hitchllm.attention.torch_backend import PrefillRequest, TorchAttentionImpl
+from hitchllm_attention_cpu.compiler import KernelBuildError, load_kernel
+
+#: Requests with more new tokens than this attend through SDPA (blocked matmuls win there).
+KERNEL_MAX_QUERY_LEN = 16
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass
+class KernelRequests:
+    """The requests the C kernel attends, as the host arrays it reads (see paged_attention.c)."""
+
+    query_start: torch.Tensor  # [n] int64
+    query_len: torch.Tensor  # [n] int64
+    context_len: torch.Tensor  # [n] int64: tokens cached before this step
+    block_table: torch.Tensor  # [n, cols] int32, each row contiguous (any row stride)
+
+
+@dataclass
+class CpuAttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    block_table: torch.Tensor  # [num_reqs, max_blocks] int32
+    kernel: KernelRequests | None
+    prompts: list[PrefillRequest]  # attended one by one through SDPA
+
+
+class CpuAttentionMetadataBuilder(AttentionMetadataBuilder):
+    """Splits the step's requests between the kernel and SDPA, on the host (the device)."""
+
+    def build(self, common: CommonAttentionMetadata) -> CpuAttentionMetadata:
+        n = common.num_reqs
+        starts = common.query_start_loc_cpu[: n + 1].long()
+        query_lens = starts[1:] - starts[:-1]
+        context_lens = common.num_computed_tokens_cpu[:n].long()
+        # The kernel applies the soft-cap; SDPA cannot, so with one every request goes there.
+        to_sdpa = query_lens > KERNEL_MAX_QUERY_LEN
+        if self.spec.logits_soft_cap is not None:
+            to_sdpa.zero_()
+        block_size = self.spec.block_size
+        cols = min(-(-common.max_seq_len // block_size), common.block_table.shape[1])
+        table = common.block_table[:n, :cols]
+        if bool(to_sdpa.any()):
+            rows = torch.nonzero(~to_sdpa).flatten()
+            prompts = [PrefillRequest(i, int(starts[i]), int(query_lens[i]), int(context_lens[i]))
+                       for i in torch.nonzero(to_sdpa).flatten().tolist()]
+            kernel = None
+            if len(rows):
+                kernel = KernelRequests(starts[rows], query_lens[rows], context_lens[rows],
+                                        table[rows].contiguous())
+        else:
+            prompts = []
+            kernel = KernelRequests(starts[:n], query_lens, context_lens, table)
+        return CpuAttentionMetadata(
+            slot_mapping=common.slot_mapping[: common.num_actual_tokens],
+            block_table=common.block_table[:n],
+            kernel=kernel,
+            prompts=prompts,
+        )
+
+
+class CpuAttentionImpl(TorchAttentionImpl):
+    """Writes the cache and attends prompts as TORCH does; decodes go to the C kernel."""
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: CpuAttentionMetadata,
+    ) -> torch.Tensor:
+        self.write_kv_cache(kv_cache, key, value, metadata.slot_mapping)
+        key_cache, value_cache = kv_cache.unbind(0)
+        # The kernel reads and writes float32 rows; a bfloat16 model converts at the edges.
+        out = torch.zeros(query.shape, dtype=torch.float32)
+        if metadata.kernel is not None:
+            self._attend_in_place(query, key_cache, value_cache, metadata.kernel, out)
+        for p in metadata.prompts:
+            rows = slice(p.query_start, p.query_start + p.query_len)
+            out[rows] = self.attend_request(query[rows], key_cache, value_cache,
+                                            metadata.block_table[p.row], p.context_len)
+        return out.to(query.dtype)
+
+    def _attend_in_place(
+        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+        k: KernelRequests, out: torch.Tensor,
+    ) -> None:
+        q = query.to(torch.float32).contiguous()
+        softcap = self.spec.logits_soft_cap or 0.0
+        window = self.spec.sliding_window or 0
+        status = load_kernel().function(
+            q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), out.data_ptr(),
+            k.query_start.data_ptr(), k.query_len.data_ptr(), k.context_len.data_ptr(),
+            k.block_table.data_ptr(), k.block_table.stride(0), k.query_len.shape[0],
+            self.num_heads, self.num_kv_heads, self.head_size, key_cache.shape[2],
+            key_cache.shape[1], self.scale, softcap, window,
+            int(key_cache.dtype == torch.bfloat16), torch.get_num_threads())
+        if status != 0:
+            raise MemoryError("CPU_ATTN: a kernel thread could not allocate its scratch buffer")
+
+
+class CpuAttentionBackend(AttentionBackend):
+    """Paged attention for CPUs: a C kernel (built on first use) for decodes, SDPA for prompts.
+    Shares TORCH's head-major KV-cache layout."""
+
+    name: ClassVar[str] = "CPU_ATTN"
+    priority: ClassVar[int] = 50
+
+    @classmethod
+    def validate(cls, spec: AttentionSpec) -> list[str]:
+        reasons = []
+        if spec.device_type != "cpu":
+            reasons.append(f"runs on the CPU only, not {spec.device_type} (on CUDA use "
+                           "TRITON_ATTN, FLASHINFER or FLASH_ATTN)")
+        if spec.use_mla:
+            reasons.append("MLA models need an MLA backend (TRITON_MLA)")
+        if spec.dtype not in _DTYPES:
+            reasons.append(f"dtype {spec.dtype} is not supported (use float32 or bfloat16)")
+        if spec.kv_cache_dtype != spec.dtype:
+            reasons.append(f"KV-cache dtype {spec.kv_cache_dtype} differs from the model dtype "
+                           f"{spec.dtype}; this backend needs them equal")
+        if spec.num_heads % spec.num_kv_heads:
+            reasons.append(f"{spec.num_heads} query heads are not a multiple of "
+                           f"{spec.num_kv_heads} KV heads")
+        if not reasons:  # building the kernel is the slow check: only when it would be used
+            try:
+                load_kernel()
+            except KernelBuildError as err:
+                reasons.append(f"the C kernel is unavailable: {err}")
+        return reasons
+
+    @classmethod
+    def get_kv_cache_shape(
+        cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        return TorchAttentionBackend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads,
+                                                        head_size)
+
+    @classmethod
+    def get_impl_cls(cls) -> type[AttentionImpl]:
+        return CpuAttentionImpl
+
+    @classmethod
+    def get_builder_cls(cls) -> type[AttentionMetadataBuilder]:
+        return CpuAttentionMetadataBuilder

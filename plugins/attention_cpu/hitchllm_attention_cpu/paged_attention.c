@@ -1,0 +1,176 @@
+/* Paged attention on the CPU, for hitchllm's CPU_ATTN backend.
+
+   Reads keys and values where they lie in the paged cache (no gather into contiguous copies,
+   which is what makes the pure-PyTorch path slow on a CPU: it copies every request's whole
+   context once per layer per step). One work unit is one request and one KV head: its query
+   heads (the GQA group) share each key and value row as it is read. Online softmax, block by
+   block, in float32 (bfloat16 caches are widened on load).
+
+   Layouts (all contiguous):
+     q, out          [num_tokens, num_heads, head_size] float32
+     k_cache/v_cache [num_kv_heads, cache_blocks, block_size, head_size] float32 or bfloat16
+     block_table     [num_reqs, bt_stride] int32
+   Request r owns tokens q_start[r] .. q_start[r] + q_len[r] - 1, which sit at positions
+   context_len[r] .. context_len[r] + q_len[r] - 1 of its sequence; token j attends causally
+   to positions up to its own (the last `window` of them when window > 0). softcap > 0 applies
+   softcap * tanh(score / softcap) to the scaled scores.
+
+   Compiled by compiler.py with OpenMP where the compiler has it (the units are shared among
+   num_threads threads), and built serial otherwise. */
+
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    const float *q;
+    const void *k_cache, *v_cache;
+    float *out;
+    const int64_t *q_start, *q_len, *context_len;
+    const int32_t *block_table;
+    int64_t bt_stride, num_reqs, num_heads, num_kv_heads, head_size, block_size, cache_blocks;
+    float scale, softcap;
+    int64_t window;
+    int kv_bf16;
+} attn_args;
+
+/* exp(x) for x <= 0 (a score minus the running maximum), to a few ulp: x = n ln2 + r with
+   |r| <= ln2/2, a degree-6 polynomial for exp(r) (Cephes' coefficients), and 2^n put into the
+   exponent bits. Written without calls so the loops around it vectorize. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits, e = (int32_t)n;
+    memcpy(&bits, &p, 4);
+    bits += e << 23;
+    memcpy(&p, &bits, 4);
+    return p;
+}
+
+/* Rows t0 .. t0 + n - 1 of one block of one head, as float32: in place for a float32 cache,
+   widened into buf for a bfloat16 one. */
+static const float *rows_f32(const attn_args *a, const void *cache, int64_t head, int64_t block,
+                             int64_t t0, int64_t n, int64_t d, float *buf) {
+    const int64_t off = ((head * a->cache_blocks + block) * a->block_size + t0) * d;
+    if (!a->kv_bf16) return (const float *)cache + off;
+    const uint16_t *src = (const uint16_t *)cache + off;
+    uint32_t *dst = (uint32_t *)buf;
+    for (int64_t i = 0; i < n * d; i++) dst[i] = (uint32_t)src[i] << 16;
+    return buf;
+}
+
+/* One request's queries of one KV head's group. d is a parameter so that the fixed-size
+   copies below are compiled with a constant head size (unrolled, vectorized loops). */
+static inline __attribute__((always_inline)) void attend(const attn_args *a, int64_t r,
+                                                         int64_t kvh, float *scratch,
+                                                         const int64_t d) {
+    const int64_t bs = a->block_size;
+    const int64_t g = a->num_heads / a->num_kv_heads;
+    float *acc = scratch, *m = acc + g * d, *l = m + g, *s = l + g;
+    float *kbuf = s + g * bs, *vbuf = kbuf + bs * d;
+    const int32_t *bt = a->block_table + r * a->bt_stride;
+    for (int64_t j = 0; j < a->q_len[r]; j++) {
+        const int64_t tok = a->q_start[r] + j;
+        const float *q = a->q + (tok * a->num_heads + kvh * g) * d;
+        const int64_t hi = a->context_len[r] + j + 1;
+        const int64_t lo = (a->window > 0 && hi > a->window) ? hi - a->window : 0;
+        for (int64_t i = 0; i < g; i++) { m[i] = -FLT_MAX; l[i] = 0.f; }
+        memset(acc, 0, sizeof(float) * g * d);
+        for (int64_t c = lo / bs; c * bs < hi; c++) {
+            const int64_t t0 = c * bs > lo ? c * bs : lo;
+            const int64_t t1 = (c + 1) * bs < hi ? (c + 1) * bs : hi;
+            const int64_t n = t1 - t0;
+            const float *k = rows_f32(a, a->k_cache, kvh, bt[c], t0 - c * bs, n, d, kbuf);
+            for (int64_t t = 0; t < n; t++) {
+                const float *kt = k + t * d;
+                for (int64_t i = 0; i < g; i++) {
+                    const float *qi = q + i * d;
+                    float dot = 0.f;
+                    for (int64_t e = 0; e < d; e++) dot += qi[e] * kt[e];
+                    s[i * bs + t] = dot * a->scale;
+                }
+            }
+            for (int64_t i = 0; i < g; i++) {
+                float *si = s + i * bs;
+                if (a->softcap > 0.f)
+                    for (int64_t t = 0; t < n; t++) si[t] = a->softcap * tanhf(si[t] / a->softcap);
+                float mb = m[i];
+                for (int64_t t = 0; t < n; t++) mb = si[t] > mb ? si[t] : mb;
+                const float corr = exp_nonpositive(m[i] - mb);
+                m[i] = mb;
+                float sum = 0.f;
+                for (int64_t t = 0; t < n; t++) { si[t] = exp_nonpositive(si[t] - mb); sum += si[t]; }
+                l[i] = l[i] * corr + sum;
+                float *ai = acc + i * d;
+                for (int64_t e = 0; e < d; e++) ai[e] *= corr;
+            }
+            const float *v = rows_f32(a, a->v_cache, kvh, bt[c], t0 - c * bs, n, d, vbuf);
+            for (int64_t t = 0; t < n; t++) {
+                const float *vt = v + t * d;
+                for (int64_t i = 0; i < g; i++) {
+                    const float p = s[i * bs + t];
+                    float *ai = acc + i * d;
+                    for (int64_t e = 0; e < d; e++) ai[e] += p * vt[e];
+                }
+            }
+        }
+        for (int64_t i = 0; i < g; i++) {
+            float *o = a->out + (tok * a->num_heads + kvh * g + i) * d;
+            const float inv = 1.f / l[i];
+            for (int64_t e = 0; e < d; e++) o[e] = acc[i * d + e] * inv;
+        }
+    }
+}
+
+/* The common head sizes get specialized copies; any other runs the generic one. */
+#define ATTEND_FIXED(D) \
+    static void attend_##D(const attn_args *a, int64_t r, int64_t h, float *s) { attend(a, r, h, s, D); }
+ATTEND_FIXED(32)
+ATTEND_FIXED(64)
+ATTEND_FIXED(128)
+ATTEND_FIXED(256)
+static void attend_any(const attn_args *a, int64_t r, int64_t h, float *s) {
+    attend(a, r, h, s, a->head_size);
+}
+
+/* Returns 0, or -1 when a thread could not allocate its scratch buffer (out is then partly
+   written). */
+int hitch_paged_attention(const float *q, const void *k_cache, const void *v_cache, float *out,
+                          const int64_t *q_start, const int64_t *q_len, const int64_t *context_len,
+                          const int32_t *block_table, int64_t bt_stride, int64_t num_reqs,
+                          int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
+                          int64_t block_size, int64_t cache_blocks, double scale, double softcap,
+                          int64_t window, int kv_bf16, int num_threads) {
+    const attn_args a = {q, k_cache, v_cache, out, q_start, q_len, context_len, block_table,
+                         bt_stride, num_reqs, num_heads, num_kv_heads, head_size, block_size,
+                         cache_blocks, (float)scale, (float)softcap, window, kv_bf16};
+    void (*fn)(const attn_args *, int64_t, int64_t, float *) =
+        head_size == 32 ? attend_32 : head_size == 64 ? attend_64 : head_size == 128 ? attend_128
+        : head_size == 256 ? attend_256 : attend_any;
+    const int64_t g = num_heads / num_kv_heads;
+    const size_t scratch = sizeof(float) * (g * head_size + 2 * g + g * block_size
+                                            + 2 * block_size * head_size);
+    const int64_t units = num_reqs * num_kv_heads;
+    int status = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *buf = malloc(scratch);
+        if (buf == NULL) status = -1;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t u = 0; u < units; u++)
+            if (buf != NULL) fn(&a, u / num_kv_heads, u % num_kv_heads, buf);
+        free(buf);
+    }
+    return status;
+}
