@@ -19,7 +19,12 @@ pytest.importorskip("hitchllm_attention_cpu")
 
 import hitchllm_attention_cpu.compiler as compiler
 from hitchllm import LLM, SamplingParams
-from hitchllm.attention import AttentionBackendError, AttentionSpec, select_attention_backend
+from hitchllm.attention import (
+    AttentionBackendError,
+    AttentionSpec,
+    CommonAttentionMetadata,
+    select_attention_backend,
+)
 from hitchllm.attention.selector import discover_backends
 from hitchllm.tiny_model import ARCHITECTURES
 from hitchllm_attention_cpu import CpuAttentionBackend
@@ -41,8 +46,13 @@ def spec_for(device="cpu", dtype=torch.float32, head_size=64, heads=(8, 2), bloc
 
 
 def run_cpu_attn(context_lens, query_lens, num_heads, num_kv_heads, head_size=32, block_size=4,
-                 dtype=torch.float32, sliding_window=None, soft_cap=None, scale=None, seed=0):
-    """One CPU_ATTN step over a random paged cache, and the float64 reference."""
+                 dtype=torch.float32, sliding_window=None, soft_cap=None, scale=None, seed=0,
+                 query_scale=1.0):
+    """One CPU_ATTN step over a random paged cache, and the float64 reference.
+
+    As in the engine, the block table is a view of a wider buffer whose unused columns hold
+    other (valid) block ids, so a kernel reading past a request's blocks, or stepping rows by
+    the wrong stride, reads the wrong keys. ``query_scale`` widens the score range."""
     spec = AttentionSpec.for_device(torch.device("cpu"), dtype=dtype, kv_cache_dtype=dtype,
                                     head_size=head_size, num_heads=num_heads,
                                     num_kv_heads=num_kv_heads, block_size=block_size,
@@ -56,6 +66,14 @@ def run_cpu_attn(context_lens, query_lens, num_heads, num_kv_heads, head_size=32
     batch = make_batch(context_lens, query_lens, num_heads, num_kv_heads, head_size, block_size,
                        num_blocks, cache, dtype, seed=seed,
                        write_context=lambda s, k, v: impl.write_kv_cache(cache, k, v, s))
+    table = batch.common.block_table
+    wide = torch.randint(0, num_blocks, (table.shape[0], table.shape[1] + 7), dtype=torch.int32,
+                         generator=torch.Generator().manual_seed(seed + 1))
+    wide[:, : table.shape[1]] = table
+    for i, (c, q) in enumerate(zip(context_lens, query_lens)):  # beyond a request's own blocks
+        wide[i, -(-(c + q) // block_size):] = wide[i, -1]
+    batch.common.block_table = wide
+    batch.query.mul_(query_scale)
     meta = backend.get_builder_cls()(spec, torch.device("cpu")).build(batch.common)
     out = impl.forward(batch.query, batch.key, batch.value, cache, meta)
     return out, reference_attention(batch, scale, sliding_window, soft_cap, dtype), meta
@@ -82,6 +100,55 @@ def test_kernel_sliding_window_soft_cap_and_scale():
     for window, cap, scale in [(8, None, None), (None, 5.0, 0.3), (5, 2.0, 1.1)]:
         out, ref, _ = run_cpu_attn(*lens, 8, 2, sliding_window=window, soft_cap=cap, scale=scale)
         torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
+
+
+def test_kernel_keeps_float32_accuracy_over_a_wide_score_range():
+    # Scores of several hundred: most weights underflow the exponential's range, the running
+    # maximum jumps between blocks; the result must still match to float32 rounding.
+    out, ref, _ = run_cpu_attn(*CASES["short-chunks-over-cached-prefix"], 8, 2, head_size=64,
+                               query_scale=60.0, seed=5)
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("head_size", [8, 32])
+def test_kernel_softmax_weights_are_exact_exponentials(head_size):
+    """Two keys with scores ``a`` and ``a + x`` and one-hot values: the output's two entries
+    are in the ratio exp(x), for x down to -80, and even when every score is far below zero
+    (``a = -300``, which a running maximum started at 0 instead of -inf would get wrong)."""
+    spec = spec_for(head_size=head_size, heads=(1, 1), block_size=4)
+    impl = CpuAttentionBackend.get_impl_cls()(1, head_size, 1.0, 1, spec)
+    builder = CpuAttentionBackend.get_builder_cls()(spec, torch.device("cpu"))
+    xs = [-80.0, -40.0, -17.5, -3.0, -1.0, -0.3, -1e-3, 0.0]
+    n = len(xs) * 2
+    cache = torch.zeros(CpuAttentionBackend.get_kv_cache_shape(n, 4, 1, head_size))
+    table = torch.arange(n, dtype=torch.int32).view(-1, 1)
+    for a in (0.0, -300.0):
+        # Request i: key 0 cached in block i, key 1 (the decode token) written by the step.
+        k0 = torch.zeros(n, 1, head_size)
+        k0[:, 0, 0] = a
+        v0 = torch.zeros(n, 1, head_size)
+        v0[:, 0, 1] = 1.0
+        impl.write_kv_cache(cache, k0, v0, torch.arange(n) * 4)
+        k1 = torch.zeros(n, 1, head_size)
+        k1[:, 0, 0] = torch.tensor([a + x for x in xs] * 2)
+        v1 = torch.zeros(n, 1, head_size)
+        v1[:, 0, 2] = 1.0
+        q = torch.zeros(n, 1, head_size)
+        q[:, 0, 0] = 1.0
+        common = CommonAttentionMetadata(
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32),
+            query_start_loc_cpu=torch.arange(n + 1, dtype=torch.int32),
+            seq_lens=torch.full((n,), 2, dtype=torch.int32),
+            seq_lens_cpu=torch.full((n,), 2, dtype=torch.int32),
+            num_computed_tokens_cpu=torch.ones(n, dtype=torch.int32), block_table=table,
+            slot_mapping=torch.arange(n) * 4 + 1, num_reqs=n, num_actual_tokens=n,
+            max_query_len=1, max_seq_len=2)
+        out = impl.forward(q, k1, v1, cache, builder.build(common)).double()[:, 0]
+        ratio = out[:, 2] / out[:, 1]
+        expected = torch.exp(k1[:, 0, 0].double() - a)  # of the float32 scores as stored
+        # float32 rounding near 0; the exponential's reduction loses a little far below it.
+        tol = torch.where(torch.tensor(xs * 2) > -1, 5e-7, 5e-6)
+        assert ((ratio / expected - 1).abs() <= tol).all(), (a, ratio / expected - 1)
 
 
 def test_kernel_reads_bfloat16_caches():
@@ -136,6 +203,39 @@ def test_kernel_is_built_once_and_then_loaded_from_the_cache(fresh_build):
     compiler.load_kernel.cache_clear()
     again = compiler.load_kernel()
     assert again.path == kernel.path and again.path.stat().st_mtime_ns == built
+
+
+def test_a_damaged_cached_kernel_is_rebuilt(fresh_build):
+    path = compiler.load_kernel().path
+    path.write_bytes(b"not a shared library")
+    compiler.load_kernel.cache_clear()
+    assert compiler.load_kernel().path == path and path.stat().st_size > 1000
+
+
+def test_compiler_wrappers_in_cc_are_kept(fresh_build, monkeypatch):
+    monkeypatch.setenv("CC", "env cc")  # as with CC="ccache gcc"
+    assert compiler.find_compiler()[1:] == ["cc"]
+    assert compiler.load_kernel().path.exists()
+
+
+def test_unwritable_cache_falls_back_to_a_temporary_folder(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.delenv("HITCHLLM_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # cannot hold a folder
+    monkeypatch.setattr(compiler.tempfile, "tempdir", str(tmp_path / "tmp"))
+    assert compiler._writable_cache_dir().is_relative_to(tmp_path / "tmp")
+    monkeypatch.setenv("HITCHLLM_CACHE_DIR", str(blocker))  # chosen explicitly: no fallback
+    with pytest.raises(compiler.KernelBuildError, match="set HITCHLLM_CACHE_DIR"):
+        compiler._writable_cache_dir()
+
+
+def test_build_errors_quote_the_compiler_not_the_linker_driver():
+    stderr = ("/usr/bin/ld: cannot find -lfoo: No such file or directory\n"
+              "collect2: error: ld returned 1 exit status\n")
+    assert compiler._first_error(stderr).startswith("/usr/bin/ld: cannot find -lfoo")
+    stderr = "k.c:3:1: error: expected ';'\ncollect2: error: ld returned 1 exit status\n"
+    assert compiler._first_error(stderr) == "k.c:3:1: error: expected ';'"
 
 
 def test_missing_compiler_is_a_reason_that_says_what_to_set(fresh_build, monkeypatch):

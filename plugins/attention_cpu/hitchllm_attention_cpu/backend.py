@@ -63,6 +63,8 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder):
         block_size = self.spec.block_size
         cols = min(-(-common.max_seq_len // block_size), common.block_table.shape[1])
         table = common.block_table[:n, :cols]
+        if table.stride(1) != 1:  # the kernel takes any row stride, but unit column stride
+            table = table.contiguous()
         if bool(to_sdpa.any()):
             rows = torch.nonzero(~to_sdpa).flatten()
             prompts = [PrefillRequest(i, int(starts[i]), int(query_lens[i]), int(context_lens[i]))
@@ -109,6 +111,10 @@ class CpuAttentionImpl(TorchAttentionImpl):
         self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
         k: KernelRequests, out: torch.Tensor,
     ) -> None:
+        if not key_cache.is_contiguous() or key_cache.dtype not in _DTYPES:
+            raise ValueError(f"CPU_ATTN reads a contiguous float32 or bfloat16 cache shaped as "
+                             f"get_kv_cache_shape says, not {key_cache.dtype} with strides "
+                             f"{key_cache.stride()}")
         q = query.to(torch.float32).contiguous()
         softcap = self.spec.logits_soft_cap or 0.0
         window = self.spec.sliding_window or 0

@@ -1,10 +1,12 @@
 """Builds the C kernel with the machine's C compiler on first use, and loads it with ctypes.
 
 The shared library is cached under ``$HITCHLLM_CACHE_DIR/cpu_attn`` (default
-``~/.cache/hitchllm/cpu_attn``), named by a hash of the source, the compiler, its flags and the
-CPU, so a changed kernel, compiler or machine builds afresh while every later process loads the
-existing file in milliseconds. Builds write a temporary file and rename it into place, so
-processes building at once never load a half-written library.
+``~/.cache/hitchllm/cpu_attn``, or a per-user folder in the system's temporary directory when
+that cannot be written), named by a hash of the source, the compiler, its flags and the CPU, so
+a changed kernel, compiler or machine builds afresh while every later process loads the
+existing file in milliseconds; a cached file that no longer loads is rebuilt. Builds write a
+temporary file and rename it into place, so processes building at once never load a
+half-written library.
 
 Flags: ``-O3`` with the floating-point relaxations that let reductions vectorize, but not
 ``-ffast-math``, which on some compilers links startup code that flushes denormals for the whole
@@ -16,15 +18,20 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import getpass
 import hashlib
+import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.c")
 SYMBOL = "hitch_paged_attention"
@@ -58,7 +65,7 @@ class CompiledKernel:
 
 
 def cache_dir() -> Path:
-    """Where compiled kernels are kept."""
+    """Where compiled kernels are kept (see ``_writable_cache_dir`` for the fallback)."""
     root = os.environ.get("HITCHLLM_CACHE_DIR")
     if root:
         return Path(root) / "cpu_attn"
@@ -66,19 +73,20 @@ def cache_dir() -> Path:
     return Path(xdg or Path.home() / ".cache") / "hitchllm" / "cpu_attn"
 
 
-def find_compiler() -> str:
-    """The C compiler to use: ``$CC``, else the first of cc, gcc, clang on the PATH."""
-    named = os.environ.get("CC")
+def find_compiler() -> list[str]:
+    """The compiler's command line: ``$CC`` (which may carry a wrapper, ``ccache gcc``), else
+    the first of cc, gcc, clang on the PATH."""
+    named = shlex.split(os.environ.get("CC", ""))
     if named:
-        found = shutil.which(named)
+        found = shutil.which(named[0])
         if found is None:
-            raise KernelBuildError(f"CC={named!r} is not an executable on the PATH; point CC at "
-                                   "a C compiler or unset it")
-        return found
+            raise KernelBuildError(f"CC={named[0]!r} is not an executable on the PATH; point "
+                                   "CC at a C compiler or unset it")
+        return [found, *named[1:]]
     for name in ("cc", "gcc", "clang"):
         found = shutil.which(name)
         if found:
-            return found
+            return [found]
     raise KernelBuildError("no C compiler found (install one, e.g. `apt install gcc` or "
                            "`xcode-select --install`, or point CC at one)")
 
@@ -89,38 +97,76 @@ def load_kernel() -> CompiledKernel:
     compiler = find_compiler()
     version = _compiler_version(compiler)
     source = SOURCE.read_bytes()
-    errors = []
-    for optional in _OPTIONAL_FLAGS:
-        flags = (*_FLAGS, *optional)
-        name = f"paged_attention-{_digest(source, compiler, version, flags)}{_suffix()}"
-        path = cache_dir() / name
+    folder = _writable_cache_dir()
+    builds = [(flags, folder / f"paged_attention-{_digest(source, compiler, version, flags)}"
+               f"{_suffix()}") for flags in ((*_FLAGS, *extra) for extra in _OPTIONAL_FLAGS)]
+    # A build cached earlier wins, so a compiler that rejects the first flag sets (no OpenMP)
+    # is not asked again by every process.
+    for flags, path in builds:
         if path.exists():
-            return CompiledKernel(path, flags, _load(path))
+            try:
+                return _loaded(compiler, flags, path, _load(path))
+            except KernelBuildError:
+                path.unlink(missing_ok=True)  # damaged or from another machine: build afresh
+    errors = []
+    for flags, path in builds:
         function, error = _build(compiler, flags, path)
         if function is not None:
-            return CompiledKernel(path, flags, function)
-        errors.append(f"{' '.join(optional) or 'plain'}: {error}")
-    raise KernelBuildError(f"{compiler} could not build {SOURCE.name}: " + " | ".join(errors))
+            return _loaded(compiler, flags, path, function)
+        errors.append(f"{' '.join(flags[len(_FLAGS):]) or 'plain'}: {error}")
+    raise KernelBuildError(f"{' '.join(compiler)} could not build {SOURCE.name}: "
+                           + " | ".join(errors))
+
+
+def _loaded(
+    compiler: list[str], flags: tuple[str, ...], path: Path, function: ctypes._CFuncPtr
+) -> CompiledKernel:
+    if "-fopenmp" not in flags:
+        logger.warning("%s has no OpenMP: the CPU_ATTN kernel runs on one thread (a compiler "
+                       "with -fopenmp, e.g. gcc, uses them all)", compiler[0])
+    return CompiledKernel(path, flags, function)
+
+
+def _writable_cache_dir() -> Path:
+    """``cache_dir()``, or (when it cannot be written and HITCHLLM_CACHE_DIR is not set) a
+    per-user folder in the system's temporary directory."""
+    preferred = cache_dir()
+    folders = [preferred]
+    if not os.environ.get("HITCHLLM_CACHE_DIR"):
+        folders.append(Path(tempfile.gettempdir()) / f"hitchllm-{_user()}" / "cpu_attn")
+    for folder in folders:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(folder, os.W_OK | os.X_OK):
+            if folder != preferred:
+                logger.warning("the kernel cache %s cannot be written; using %s (set "
+                               "HITCHLLM_CACHE_DIR to choose)", preferred, folder)
+            return folder
+    raise KernelBuildError(f"cannot write the kernel cache {preferred}; set HITCHLLM_CACHE_DIR "
+                           "to a writable directory")
 
 
 def _build(
-    compiler: str, flags: tuple[str, ...], path: Path
+    compiler: list[str], flags: tuple[str, ...], path: Path
 ) -> tuple[ctypes._CFuncPtr | None, str]:
-    """Compile to a temporary file, load it, and only then move it to ``path``: the kernel,
-    or None and the compiler's (or loader's) first error line."""
+    """Compile to a temporary file, load it, and only then move it to ``path`` (so another
+    process never loads a half-written file): the kernel, or None and the first error."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=path.suffix)
     except OSError as err:
-        raise KernelBuildError(f"cannot create the kernel cache {path.parent} ({err}); set "
-                               "HITCHLLM_CACHE_DIR to a writable directory") from err
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=path.suffix)
+        return None, f"cannot write to {path.parent} ({err})"
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, "-lm"],
-                              capture_output=True, text=True, timeout=120)
+        try:
+            done = subprocess.run([*compiler, *flags, str(SOURCE), "-o", tmp, "-lm"],
+                                  capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.TimeoutExpired) as err:
+            return None, f"the compiler did not run to completion ({err})"
         if done.returncode != 0:
-            lines = [line for line in done.stderr.splitlines() if "error" in line.lower()]
-            return None, (lines or done.stderr.splitlines() or ["failed"])[0].strip()
+            return None, _first_error(done.stderr)
+        os.chmod(tmp, 0o755)  # mkstemp made it private; the cache may be shared
         try:
             function = _load(Path(tmp))
         except KernelBuildError as err:
@@ -132,36 +178,47 @@ def _build(
             os.unlink(tmp)
 
 
+def _first_error(stderr: str) -> str:
+    """The line of a compiler's output that says what went wrong (not the linker driver's
+    closing "collect2: error: ld returned 1")."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower()
+              and not line.startswith(("collect2", "clang: error: linker command"))]
+    return (errors or lines or ["failed with no message"])[0]
+
+
 def _load(path: Path) -> ctypes._CFuncPtr:
     try:
         library = ctypes.CDLL(str(path))
     except OSError as err:
-        raise KernelBuildError(f"cannot load {path} ({err}); delete it to rebuild") from err
+        raise KernelBuildError(f"cannot load {path} ({err})") from err
     function = getattr(library, SYMBOL)
     function.argtypes = _ARGTYPES
     function.restype = ctypes.c_int
     return function
 
 
-def _compiler_version(compiler: str) -> str:
+def _compiler_version(compiler: list[str]) -> str:
     try:
-        done = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+        done = subprocess.run([*compiler, "--version"], capture_output=True, text=True,
                               timeout=30)
     except (OSError, subprocess.TimeoutExpired) as err:
-        raise KernelBuildError(f"cannot run the C compiler {compiler} ({err})") from err
+        raise KernelBuildError(f"cannot run the C compiler {' '.join(compiler)} ({err})") from err
     return done.stdout.splitlines()[0] if done.stdout else ""
 
 
-def _digest(source: bytes, compiler: str, version: str, flags: tuple[str, ...]) -> str:
+def _digest(source: bytes, compiler: list[str], version: str, flags: tuple[str, ...]) -> str:
     """Names one build: the kernel, compiler and flags, and (for -march=native) the CPU."""
     h = hashlib.sha256(source)
-    for part in (compiler, version, " ".join(flags), platform.machine(), _cpu_features()):
+    for part in (" ".join(compiler), version, " ".join(flags), platform.machine(),
+                 _cpu_features()):
         h.update(b"\0" + part.encode())
     return h.hexdigest()[:16]
 
 
 def _cpu_features() -> str:
-    """The CPU's feature list where the OS shows one (Linux), else its model name."""
+    """The CPU's feature list where the OS shows one (Linux), else its model name (macOS's
+    brand string, or what Python knows)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -169,7 +226,20 @@ def _cpu_features() -> str:
                     return line
     except OSError:
         pass
+    if sys.platform == "darwin":
+        try:
+            return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"],
+                                  capture_output=True, text=True, timeout=10).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            pass
     return platform.processor()
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid (some containers)
+        return str(os.getuid()) if hasattr(os, "getuid") else "user"
 
 
 def _suffix() -> str:
