@@ -207,6 +207,9 @@ def test_kernel_is_built_once_and_then_loaded_from_the_cache(fresh_build):
 
 def test_a_damaged_cached_kernel_is_rebuilt(fresh_build):
     path = compiler.load_kernel().path
+    # A new file in its place (writing into the old one would corrupt the library this
+    # process has mapped).
+    path.unlink()
     path.write_bytes(b"not a shared library")
     compiler.load_kernel.cache_clear()
     assert compiler.load_kernel().path == path and path.stat().st_size > 1000
