@@ -11,7 +11,7 @@ from hitchllm.attention.backend import (
 from hitchllm.attention.forward_context import get_forward_context, set_forward_context
 from hitchllm.attention.layer import Attention
 from hitchllm.attention.paged_write import (
-    gpu_kernel_reasons,
+    kernel_reasons,
     nhd_cache_shape,
     pad_rows,
     write_nhd,
@@ -34,7 +34,7 @@ __all__ = [
     "CudaGraphSupport",
     "TorchAttentionBackend",
     "get_forward_context",
-    "gpu_kernel_reasons",
+    "kernel_reasons",
     "nhd_cache_shape",
     "pad_rows",
     "rank_backends",

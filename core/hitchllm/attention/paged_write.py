@@ -1,12 +1,13 @@
-"""Helpers for GPU kernel backends whose cache holds keys and values of whole tokens.
+"""Helpers for kernel backends: the validate reasons they share, and (for those whose cache
+holds keys and values of whole tokens) the cache write and output padding.
 
 Backends whose cache is ``(2, num_blocks + 1, block_size, num_kv_heads, head_size)`` (keys at
 index 0, values at 1; FlashInfer's and FlashAttention's "NHD" page layout, plus one spare
 block) can share this write: padding slots (-1) are redirected to the spare last block, so the
 write is two ``index_copy_`` calls with no data-dependent shapes and no host sync, which keeps
-it safe inside CUDA graphs. ``gpu_kernel_reasons`` lists the limits such kernels commonly
-share, worded the same for every backend; ``pad_rows`` pads a kernel's output back to the
-layer's row count.
+it safe inside CUDA graphs. ``kernel_reasons`` lists the limits attention kernels commonly
+share (GPU ones and CPU_ATTN's), worded the same for every backend; ``pad_rows`` pads a
+kernel's output back to the layer's row count.
 """
 
 from __future__ import annotations
@@ -39,12 +40,13 @@ def write_nhd(
     flat[1].index_copy_(0, slots, value[:n].reshape(n, -1).to(flat.dtype))
 
 
-def gpu_kernel_reasons(
+def kernel_reasons(
     spec: AttentionSpec, dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
 ) -> list[str]:
-    """Reasons a half-precision GPU attention kernel cannot serve ``spec``: an MLA model, a
-    dtype outside ``dtypes``, a KV-cache dtype other than the model's, query heads that are
-    not a multiple of the KV heads. A backend adds its own (device, head sizes, ...)."""
+    """Reasons an attention kernel (by default a half-precision GPU one) cannot serve
+    ``spec``: an MLA model, a dtype outside ``dtypes``, a KV-cache dtype other than the
+    model's, query heads that are not a multiple of the KV heads. A backend adds its own
+    (device, head sizes, ...)."""
     reasons = []
     if spec.use_mla:
         reasons.append("MLA models need an MLA backend (FLASHINFER_MLA or TRITON_MLA)")

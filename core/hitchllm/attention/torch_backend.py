@@ -123,10 +123,8 @@ class TorchAttentionImpl(AttentionImpl):
         self.write_kv_cache(kv_cache, key, value, metadata.slot_mapping)
         key_cache, value_cache = kv_cache.unbind(0)
         out = torch.zeros_like(query)
-        for p in metadata.prefills:
-            out[p.query_start : p.query_start + p.query_len] = self.attend_request(
-                query[p.query_start : p.query_start + p.query_len], key_cache, value_cache,
-                metadata.block_table[p.row], p.context_len)
+        self.attend_prefills(query, key_cache, value_cache, metadata.block_table,
+                             metadata.prefills, out)
         if metadata.batched is not None:
             b = metadata.batched
             out[b.token_idx] = self._attend_batched(query[b.token_idx], key_cache, value_cache, b)
@@ -162,6 +160,16 @@ class TorchAttentionImpl(AttentionImpl):
         rows = cache.view(self.num_kv_heads, cache.shape[1], -1).index_select(1, blocks)
         shape = (self.num_kv_heads, *block_table.shape, block_size, self.head_size)
         return rows.view(shape).flatten(-3, -2)[..., :num_tokens, :].to(dtype)
+
+    def attend_prefills(
+        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+        block_table: torch.Tensor, prefills: list[PrefillRequest], out: torch.Tensor,
+    ) -> None:
+        """Each of ``prefills`` through ``attend_request``, into its rows of ``out``."""
+        for p in prefills:
+            rows = slice(p.query_start, p.query_start + p.query_len)
+            out[rows] = self.attend_request(query[rows], key_cache, value_cache,
+                                            block_table[p.row], p.context_len)
 
     def attend_request(
         self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -21,6 +21,7 @@ from hitchllm.attention import (
     AttentionSpec,
     CommonAttentionMetadata,
     TorchAttentionBackend,
+    kernel_reasons,
 )
 from hitchllm.attention.torch_backend import PrefillRequest, TorchAttentionImpl
 from hitchllm_attention_cpu.compiler import KernelBuildError, load_kernel
@@ -101,10 +102,8 @@ class CpuAttentionImpl(TorchAttentionImpl):
         out = torch.zeros(query.shape, dtype=torch.float32)
         if metadata.kernel is not None:
             self._attend_in_place(query, key_cache, value_cache, metadata.kernel, out)
-        for p in metadata.prompts:
-            rows = slice(p.query_start, p.query_start + p.query_len)
-            out[rows] = self.attend_request(query[rows], key_cache, value_cache,
-                                            metadata.block_table[p.row], p.context_len)
+        self.attend_prefills(query, key_cache, value_cache, metadata.block_table,
+                             metadata.prompts, out)
         return out.to(query.dtype)
 
     def _attend_in_place(
@@ -142,16 +141,7 @@ class CpuAttentionBackend(AttentionBackend):
         if spec.device_type != "cpu":
             reasons.append(f"runs on the CPU only, not {spec.device_type} (on CUDA use "
                            "TRITON_ATTN, FLASHINFER or FLASH_ATTN)")
-        if spec.use_mla:
-            reasons.append("MLA models need an MLA backend (TRITON_MLA)")
-        if spec.dtype not in _DTYPES:
-            reasons.append(f"dtype {spec.dtype} is not supported (use float32 or bfloat16)")
-        if spec.kv_cache_dtype != spec.dtype:
-            reasons.append(f"KV-cache dtype {spec.kv_cache_dtype} differs from the model dtype "
-                           f"{spec.dtype}; this backend needs them equal")
-        if spec.num_heads % spec.num_kv_heads:
-            reasons.append(f"{spec.num_heads} query heads are not a multiple of "
-                           f"{spec.num_kv_heads} KV heads")
+        reasons += kernel_reasons(spec, dtypes=_DTYPES)
         if not reasons:  # building the kernel is the slow check: only when it would be used
             try:
                 load_kernel()

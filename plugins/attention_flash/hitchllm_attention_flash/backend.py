@@ -29,7 +29,7 @@ from hitchllm.attention import (
     AttentionSpec,
     CommonAttentionMetadata,
     CudaGraphSupport,
-    gpu_kernel_reasons,
+    kernel_reasons,
     nhd_cache_shape,
     pad_rows,
     write_nhd,
@@ -215,7 +215,7 @@ class FlashAttentionBackend(AttentionBackend):
                     f"{FA2_BLOCK_MULTIPLE} (block_size is {spec.block_size}: pass "
                     f"block_size={FA2_BLOCK_MULTIPLE} / --block-size {FA2_BLOCK_MULTIPLE}, or "
                     "install flash-attn-4 on Hopper/Blackwell, which takes any block size)")
-        reasons += gpu_kernel_reasons(spec)
+        reasons += kernel_reasons(spec)
         if spec.head_size % 8 or not 8 <= spec.head_size <= 256:
             reasons.append(f"head size {spec.head_size} is not supported (a multiple of 8 "
                            "from 8 to 256)")

@@ -28,7 +28,7 @@ from hitchllm.attention import (
     AttentionSpec,
     CommonAttentionMetadata,
     CudaGraphSupport,
-    gpu_kernel_reasons,
+    kernel_reasons,
     nhd_cache_shape,
     pad_rows,
     write_nhd,
@@ -254,7 +254,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             major, minor = spec.device_capability
             reasons.append(f"compute capability {major}.{minor} is below 8.0 (FlashInfer's "
                            "bf16/fp16 kernels need Ampere or newer)")
-        reasons += gpu_kernel_reasons(spec)
+        reasons += kernel_reasons(spec)
         if spec.head_size not in HEAD_SIZES:
             reasons.append(f"head size {spec.head_size} is not supported (FlashInfer serves "
                            f"{', '.join(map(str, HEAD_SIZES))})")
