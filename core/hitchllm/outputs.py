@@ -44,3 +44,5 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    # Set when the engine failed the request (finish_reason "error"); the engine goes on.
+    error: str | None = None

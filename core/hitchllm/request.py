@@ -19,6 +19,8 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    # A step failed while this request ran alone (see ``LLMEngine.step``).
+    FINISHED_ERROR = enum.auto()
 
     @property
     def finished(self) -> bool:
@@ -33,6 +35,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 

@@ -6,6 +6,13 @@ import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+# The sampler computes in float32: a value must keep its meaning after the cast.
+_FLOAT32_MAX = 3.4028234663852886e38
+_FLOAT32_TINY = 1.1754943508222875e-38  # smallest normal float32
+# torch.Generator.manual_seed takes a signed or unsigned 64-bit integer.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# Beyond any vocabulary and context length; keeps ints within int64 on their way to tensors.
+_INT_LIMIT = 2**62
 
 
 @dataclass
@@ -59,16 +66,32 @@ class SamplingParams:
         def bad(msg: str) -> None:
             raise ValueError(msg)
 
-        if not isinstance(self.n, int) or self.n < 1:
+        def is_int(value: object) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        for name in ("n", "top_k", "min_tokens"):
+            if not is_int(getattr(self, name)):
+                bad(f"{name} must be an integer, got {getattr(self, name)!r}.")
+        for name in ("max_tokens", "logprobs", "prompt_logprobs", "seed"):
+            value = getattr(self, name)
+            if value is not None and not is_int(value):
+                bad(f"{name} must be an integer or None, got {value!r}.")
+        floats = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                  "repetition_penalty")
+        for name in floats:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                bad(f"{name} must be a number, got {value!r}.")
+            if not math.isfinite(value) or abs(value) > _FLOAT32_MAX:
+                bad(f"{name} must be a finite number within float32 range, got {value}.")
+        if self.n < 1:
             bad(f"n must be an integer >= 1, got {self.n!r}.")
-        if not all(map(math.isfinite, (self.temperature, self.top_p, self.min_p,
-                                        self.presence_penalty, self.frequency_penalty,
-                                        self.repetition_penalty))):
-            bad("temperature, top_p, min_p and the penalties must be finite numbers.")
         if self.temperature < 0.0:
             bad(f"temperature must be >= 0 (0 means greedy), got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
             bad(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_p < _FLOAT32_TINY:
+            bad(f"top_p={self.top_p} rounds to 0 in float32; use at least 1e-30.")
         if self.top_k < 0:
             bad(f"top_k must be 0 or -1 (disabled) or a positive integer, got {self.top_k}.")
         if not 0.0 <= self.min_p <= 1.0:
@@ -79,6 +102,13 @@ class SamplingParams:
             bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
         if self.repetition_penalty <= 0.0:
             bad(f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}.")
+        if self.repetition_penalty < _FLOAT32_TINY:
+            bad(f"repetition_penalty={self.repetition_penalty} is below float32's normal range; "
+                "use at least 1e-30.")
+        for name in ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > _INT_LIMIT:
+                bad(f"{name}={value} is too large; use at most {_INT_LIMIT}.")
         if self.max_tokens is not None and self.max_tokens < 1:
             bad(f"max_tokens must be at least 1, got {self.max_tokens}.")
         if self.min_tokens < 0:
@@ -91,14 +121,19 @@ class SamplingParams:
             bad(f"logprobs must be >= 0 (the number of top tokens to return), got {self.logprobs}.")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             bad(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}.")
+        if any(not isinstance(s, str) for s in self.stop_strings):
+            bad("stop must be a string or a list of strings.")
         if any(not s for s in self.stop_strings):
             bad("stop strings must be non-empty.")
         if any(t < 0 for t in self.stop_token_ids):
             bad(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids}.")
         if self.stop_strings and not self.detokenize:
             bad("stop strings need detokenize=True (use stop_token_ids to stop without text).")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad(f"seed must be an integer, got {self.seed!r}.")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1):
+            # Sequence i of an n > 1 request uses seed + i.
+            bad(f"seed must be in [{SEED_MIN}, {SEED_MAX - (self.n - 1)}] "
+                f"(a 64-bit integer; with n={self.n}, seed + n - 1 must fit too), "
+                f"got {self.seed}.")
 
     @property
     def uses_penalties(self) -> bool:
@@ -119,3 +154,8 @@ class SamplingParams:
                 f"stop_token_ids {bad} are outside the model's vocabulary "
                 f"(valid ids are 0..{vocab_size - 1})."
             )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > vocab_size:
+                raise ValueError(f"{name}={value} asks for more tokens than the vocabulary "
+                                 f"holds; use at most {vocab_size}.")

@@ -30,6 +30,10 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped after an unexpected error; the server must be restarted."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine failed this one request (``RequestOutput.error``); it serves the others."""
+
+
 @dataclass
 class _Add:
     prompt: Prompt
@@ -61,9 +65,17 @@ StepObserver = Callable[[LLMEngine, list[RequestOutput], float], None]
 class AsyncLLMEngine:
     """Runs an ``LLMEngine`` in a background thread and serves ``generate`` to asyncio code."""
 
-    def __init__(self, engine: LLMEngine, on_step: StepObserver | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_step: StepObserver | None = None,
+        on_dead: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        """``on_step`` is called from the engine thread after every loop iteration;
+        ``on_dead`` once, from the engine thread, if the loop dies."""
         self.engine = engine
         self.on_step = on_step
+        self.on_dead = on_dead
         self._commands: queue.Queue[_Add | _Abort | None] = queue.Queue()
         self._streams: dict[str, _RequestStream] = {}
         self._ids = itertools.count()
@@ -74,6 +86,15 @@ class AsyncLLMEngine:
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    @property
+    def dead_reason(self) -> str | None:
+        """None while the engine loop is alive; else why it stopped (no internal detail)."""
+        if self._dead is not None:
+            return f"the engine loop stopped after an unexpected {type(self._dead).__name__}"
+        if not self._thread.is_alive():
+            return "the engine loop is not running"
+        return None
 
     async def generate(
         self,
@@ -87,8 +108,8 @@ class AsyncLLMEngine:
         Raises ``ValueError`` (before yielding) for a request the engine rejects. If the caller
         stops iterating early (or is cancelled), the request is aborted.
         """
-        if self._dead is not None:
-            raise EngineDeadError("the engine stopped") from self._dead
+        if (reason := self.dead_reason) is not None:
+            raise EngineDeadError(reason)
         request_id = request_id or f"req-{next(self._ids)}"
         stream = _RequestStream(asyncio.get_running_loop())
         self._commands.put(_Add(prompt, params, request_id, kwargs, stream))
@@ -99,6 +120,8 @@ class AsyncLLMEngine:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                if item.error is not None:
+                    raise RequestFailedError(item.error)
                 yield item
                 if finished:
                     return
@@ -107,6 +130,8 @@ class AsyncLLMEngine:
                 self._commands.put(_Abort(request_id))
 
     def abort(self, request_id: str) -> None:
+        """Stop the request; its stream ends with a finished output (finish_reason
+        "abort")."""
         self._commands.put(_Abort(request_id))
 
     def shutdown(self) -> None:
@@ -132,13 +157,18 @@ class AsyncLLMEngine:
                                 del self._streams[out.request_id]
                     outputs += stepped
                 if self.on_step is not None:
-                    self.on_step(self.engine, outputs, time.monotonic())
+                    try:
+                        self.on_step(self.engine, outputs, time.monotonic())
+                    except Exception:  # an observer (metrics) must not stop serving
+                        logger.exception("step observer failed")
         except BaseException as exc:  # the loop must tell every waiter, never die silently
             logger.exception("engine loop failed")
             self._dead = exc
             for stream in self._streams.values():
-                stream.put(EngineDeadError(f"engine loop failed: {exc}"))
+                stream.put(EngineDeadError(self.dead_reason or "the engine loop stopped"))
             self._streams.clear()
+            if self.on_dead is not None:
+                self.on_dead(exc)
 
     def _drain_commands(self, block: bool, aborted: list[RequestOutput]) -> bool:
         """Apply pending commands (final outputs of aborted requests go to ``aborted``); wait
@@ -152,12 +182,18 @@ class AsyncLLMEngine:
             if cmd is None:
                 return False
             if isinstance(cmd, _Abort):
-                if self._streams.pop(cmd.request_id, None) is not None:
-                    aborted += self.engine.abort_request(cmd.request_id)
+                stream = self._streams.pop(cmd.request_id, None)
+                if stream is not None:
+                    final = self.engine.abort_request(cmd.request_id)
+                    for out in final:  # a caller still listening sees the request end
+                        stream.put(out)
+                    aborted += final
                 continue
             try:
                 self.engine.add_request(cmd.prompt, cmd.params, cmd.request_id, **cmd.kwargs)
-            except (ValueError, TypeError) as exc:
+            except Exception as exc:  # a request that cannot be added fails alone
+                if not isinstance(exc, (ValueError, TypeError)):
+                    logger.exception("adding request %s failed", cmd.request_id)
                 cmd.stream.put(exc)
                 continue
             self._streams[cmd.request_id] = cmd.stream

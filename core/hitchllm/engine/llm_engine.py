@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -31,10 +31,27 @@ from hitchllm.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerOu
 
 logger = logging.getLogger(__name__)
 
+# Failed steps in a row after which the engine gives up (a broken device fails every step;
+# isolating one bad request among B takes about log2(B) + 2).
+MAX_CONSECUTIVE_STEP_FAILURES = 32
+# Errors after which the device's state cannot be trusted: the engine stops at once.
+_DEVICE_ERRORS: tuple[type[BaseException], ...] = tuple(
+    t for t in (getattr(torch, "AcceleratorError", None), torch.OutOfMemoryError) if t)
+
 DEFAULT_CPU_KV_CACHE_MEMORY = 4 * 2**30
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
 Prompt = str | dict[str, Any]
+
+
+@dataclass
+class _StepWork:
+    """What a step has under way, so that a failure can be tied to requests: ``running``
+    are the requests of the phase now running (launch or completion of one batch),
+    ``launched`` those of a batch launched but not yet completed."""
+
+    running: list[Request] = field(default_factory=list)
+    launched: list[Request] = field(default_factory=list)
 
 
 @dataclass
@@ -127,6 +144,7 @@ class LLMEngine:
         # (On a CPU the step is done when launched; overlapping changes nothing but the order.)
         self._overlap = config.async_scheduling and self.proposer is None
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
+        self._consecutive_failures = 0
 
     # ---- set-up ------------------------------------------------------------------------
 
@@ -333,24 +351,84 @@ class LLMEngine:
         new one so that the device is never idle while the host schedules, prepares inputs
         and detokenizes. A request that stops is then computed one step too many; that
         token is dropped.
+
+        A step that raises does not end the engine: its requests are run apart until the
+        one that fails alone is found and finished with ``finish_reason="error"`` (see
+        ``Scheduler.quarantine``); every other request goes on. Only when steps keep failing
+        (a broken device) or the failure cannot be tied to requests does ``step`` raise.
         """
-        sched = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
+        work = _StepWork()
+        try:
+            self._step(outputs, work)
+        except Exception as exc:
+            outputs += self._recover(exc, work)
+        else:
+            self._consecutive_failures = 0
+        return outputs
+
+    def _step(self, outputs: list[RequestOutput], work: _StepWork) -> None:
+        """One step; fills ``outputs`` as they complete and ``work`` with what is under way."""
+        sched = self.scheduler.schedule()
         if self._in_flight is not None and not self._may_overlap(sched):
-            outputs = self._complete(*self._in_flight)
-            self._in_flight = None
+            outputs += self._complete_in_flight(work)
         if sched.is_empty and self._in_flight is None and self.scheduler.has_unfinished_requests():
             raise RuntimeError("scheduler made no progress with unfinished requests queued")
         block_ids = {r.request_id: self.kv_cache.get_block_ids(r.request_id)
                      for r in sched.requests}
+        work.running = sched.requests
         launched = (sched, self.runner.execute_async(sched, block_ids))
+        work.launched = sched.requests
         if self._in_flight is not None:
-            outputs += self._complete(*self._in_flight)
-            self._in_flight = None
+            outputs += self._complete_in_flight(work)
+        work.running = sched.requests
         if self._overlap and not sched.is_empty:
             self._in_flight = launched
         else:
             outputs += self._complete(*launched)
+        work.launched = []
+
+    def _complete_in_flight(self, work: _StepWork) -> list[RequestOutput]:
+        assert self._in_flight is not None
+        in_flight, self._in_flight = self._in_flight, None
+        work.running = in_flight[0].requests
+        return self._complete(*in_flight)
+
+    def _recover(self, exc: Exception, work: _StepWork) -> list[RequestOutput]:
+        """Contain a failed step (see ``step``); returns the outputs it still produced."""
+        outputs: list[RequestOutput] = []
+        suspects = list(work.running)
+        # Work launched before the failure and not part of it: the step in flight completes
+        # (its tokens are good); a step launched here is dropped, its requests recomputed.
+        if self._in_flight is not None:
+            try:
+                outputs += self._complete_in_flight(work)
+            except Exception:
+                suspects += work.running
+        bystanders = [r for r in work.launched if r not in suspects]
+        suspects = [r for r in dict.fromkeys(suspects) if not r.finished]
+        self._consecutive_failures += 1
+        fatal = isinstance(exc, _DEVICE_ERRORS) or not suspects
+        if fatal or self._consecutive_failures > MAX_CONSECUTIVE_STEP_FAILURES:
+            raise exc
+        if len(suspects) > 1:
+            logger.warning("a step of %d requests failed (%s); running them apart to find the "
+                           "request that fails", len(suspects), type(exc).__name__)
+            self.scheduler.quarantine(suspects, bystanders)
+            return outputs
+        [request] = suspects
+        self.scheduler.quarantine([], bystanders)
+        logger.error("request %s failed alone; ending it with an error", request.request_id,
+                     exc_info=exc)
+        # The whole user request ends (all n sequences), as one API call fails as a whole.
+        parent_id = self.output_processor.parent_id(request.request_id)
+        children = [request.request_id] if parent_id is None else (
+            self.output_processor.child_ids(parent_id))
+        self.scheduler.finish_requests(children, RequestStatus.FINISHED_ERROR)
+        if parent_id is not None:
+            message = (f"the engine failed while computing this request "
+                       f"({type(exc).__name__}); other requests were not affected")
+            outputs.append(self.output_processor.abort(parent_id, error=message))
         return outputs
 
     def _may_overlap(self, sched: SchedulerOutput) -> bool:

@@ -129,16 +129,24 @@ class OutputProcessor:
                 self._forget(parent)
         return outputs, stopped
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Mark every sequence of ``request_id`` aborted and drop its state."""
+    def parent_id(self, child_request_id: str) -> str | None:
+        """The user request a child sequence belongs to."""
+        found = self._parent_of.get(child_request_id)
+        return found[0].request_id if found else None
+
+    def abort(self, request_id: str, error: str | None = None) -> RequestOutput | None:
+        """End every unfinished sequence of ``request_id`` (``finish_reason`` "abort", or
+        "error" when ``error`` says why) and drop its state."""
         parent = self.parents.get(request_id)
         if parent is None:
             return None
         for seq in parent.sequences:
             if seq.finish_reason is None:
-                seq.finish_reason = "abort"
+                seq.finish_reason = "abort" if error is None else "error"
         self._forget(parent)
-        return self._output(parent)
+        out = self._output(parent)
+        out.error = error
+        return out
 
     def _forget(self, parent: ParentState) -> None:
         self.parents.pop(parent.request_id, None)

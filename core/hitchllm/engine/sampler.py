@@ -140,7 +140,8 @@ def apply_top_k_top_p_min_p(
             mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
             # A token is needed while the mass of the tokens above it is still short of top_p;
             # the first token always is (mass 0 < top_p), so num_needed >= 1.
-            num_needed = (mass_before < top_p[:, None]).sum(dim=-1, keepdim=True)
+            # clamp: a row whose logits are all -inf has NaN probabilities and would need 0.
+            num_needed = (mass_before < top_p[:, None]).sum(dim=-1, keepdim=True).clamp_min(1)
             last_needed = sorted_logits.gather(1, num_needed - 1)
             # top_p = 1 keeps everything; without this, cumsum rounding could drop a tiny tail.
             last_needed = last_needed.masked_fill(top_p[:, None] >= 1.0, float("-inf"))
@@ -236,7 +237,9 @@ class Sampler(torch.nn.Module):
         if not metadata.all_random:
             # Greedy rows are overwritten by the caller; temperature 1 keeps them finite.
             temperature = torch.where(temperature == 0.0, 1.0, temperature)
-        logits = logits / temperature[:, None]
+        # A tiny temperature (or a tiny repetition penalty before it) can overflow float32;
+        # +inf would turn the softmax into NaN, the largest finite value keeps the order.
+        logits = (logits / temperature[:, None]).clamp_max(torch.finfo(logits.dtype).max)
         logits = apply_top_k_top_p_min_p(logits, metadata.top_k, metadata.top_p, metadata.min_p)
         probs = logits.softmax(dim=-1)
         q = _exponential_noise(

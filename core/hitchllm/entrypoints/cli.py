@@ -128,11 +128,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from hitchllm.config import EngineConfig
     from hitchllm.entrypoints.openai.api_server import serve
+    from hitchllm.entrypoints.openai.server import ServerLimits
 
     serve(
         EngineConfig(model=args.model, **engine_kwargs(args)),
         host=args.host, port=args.port, served_model_name=args.served_model_name,
         api_key=args.api_key, chat_template=args.chat_template,
+        limits=ServerLimits(max_n=args.max_n, max_request_bytes=args.max_request_bytes),
     )
     return 0
 
@@ -172,6 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", nargs="+", help="model name(s) clients use")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--chat-template", help="Jinja chat template file (overrides the model's)")
+    p.add_argument("--max-n", type=int, default=128,
+                   help="largest n (sequences per prompt) a request may ask for (default 128)")
+    p.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
+                   help="largest request body in bytes; larger ones get 413 (default 4 MiB)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", help="benchmarks")

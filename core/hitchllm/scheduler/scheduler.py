@@ -16,6 +16,11 @@ When the KV cache runs out of blocks, a running request is preempted by recomput
 are freed and it goes back to the front of the waiting queue (prefix caching usually makes the
 recompute cheap). The victim is chosen by ``PreemptionPolicy`` among the running requests not
 yet scheduled in the step.
+
+When a step fails, the engine hands its requests to ``quarantine``: they are preempted and run
+apart, half of them at a time, until each has sampled once on its own or has failed alone
+(bisection: a request that breaks every batch it is in is found in about log2(batch) steps).
+While a group of suspects is out, steps schedule only that group's requests.
 """
 
 from __future__ import annotations
@@ -88,6 +93,8 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._released: list[str] = []
         self._finished: list[str] = []
+        # Groups of requests to run apart after a failed step; the first group runs now.
+        self._suspects: list[set[Request]] = []
 
     # ---- requests in and out -----------------------------------------------------------
 
@@ -112,6 +119,7 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        self._clear_suspect(request)
         self.kv_cache.free(request)
         self._released.append(request.request_id)
         self._finished.append(request.request_id)
@@ -124,10 +132,15 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[Request, int] = {}
         preempted_any = False
+        # After a failed step only the current group of suspects runs.
+        allowed = self._suspects[0] if self._suspects else None
 
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if allowed is not None and request not in allowed:
+                index += 1
+                continue
             num_new = self._num_tokens_to_compute(request, budget)
             if num_new == 0:
                 index += 1
@@ -151,19 +164,18 @@ class Scheduler:
         # Admitting new work right after a preemption would only thrash the cache.
         while (
             not preempted_any
-            and self.waiting
+            and (request := self._next_waiting(allowed)) is not None
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
         ):
-            request = self.waiting[0]
             if request.sampling_params.prompt_logprobs is None:
                 hit_blocks, num_hit = self.kv_cache.get_computed_blocks(request)
             else:  # every prompt position needs its logits: no prefix-cache hit
                 hit_blocks, num_hit = [], 0
             num_new = min(request.num_tokens - num_hit, budget)
-            if not self.kv_cache.allocate_slots(request, num_new, hit_blocks):
+            if not self._allocate_for_admission(request, num_new, hit_blocks, allowed):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)  # the first one, except while suspects run apart
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
             if request.num_preemptions == 0:
@@ -185,6 +197,53 @@ class Scheduler:
         self.stats.num_running = len(self.running)
         self.stats.num_waiting = len(self.waiting)
         return SchedulerOutput(requests, counts, samples, computed, released, finished)
+
+    def _next_waiting(self, allowed: set[Request] | None) -> Request | None:
+        if allowed is None:
+            return self.waiting[0] if self.waiting else None
+        return next((r for r in self.waiting if r in allowed), None)
+
+    def _allocate_for_admission(
+        self, request: Request, num_new: int, hit_blocks: list, allowed: set[Request] | None
+    ) -> bool:
+        """Allocate an admitted request's slots. While suspects run apart, requests outside
+        the group do not run, so they give way (are preempted) when blocks run out."""
+        while not self.kv_cache.allocate_slots(request, num_new, hit_blocks):
+            idle = [r for r in self.running if allowed is not None and r not in allowed]
+            if not idle:
+                return False
+            self._preempt(self.config.policy.pick_victim(idle))
+        return True
+
+    # ---- isolating a failing request ---------------------------------------------------
+
+    def quarantine(self, suspects: list[Request], bystanders: list[Request] = ()) -> None:
+        """A step failed: preempt its requests and those of a dropped batch (``bystanders``)
+        (their pending tokens are lost; they are recomputed), and run ``suspects`` apart in
+        two halves, ahead of everything else."""
+        live = [r for r in dict.fromkeys(suspects) if not r.finished]
+        for request in [*live, *bystanders]:
+            if request.finished:
+                continue
+            request.num_pending_tokens = 0
+            request.spec_token_ids = []
+            if request.status == RequestStatus.RUNNING:
+                self._preempt(request)
+        for request in live:
+            self._clear_suspect(request)
+        half = (len(live) + 1) // 2
+        self._suspects[:0] = [set(g) for g in (live[:half], live[half:]) if g]
+
+    @property
+    def num_suspects(self) -> int:
+        return sum(len(g) for g in self._suspects)
+
+    def _clear_suspect(self, request: Request) -> None:
+        if not self._suspects:
+            return
+        for group in self._suspects:
+            group.discard(request)
+        self._suspects = [g for g in self._suspects if g]
 
     def _num_tokens_to_compute(self, request: Request, budget: int) -> int:
         if request.num_pending_tokens and self._ends_by_length(request):
@@ -235,6 +294,7 @@ class Scheduler:
                 # will be overwritten. ``tokens`` holds the accepted drafts plus one new token.
                 request.num_computed_tokens -= len(request.spec_token_ids) - (len(tokens) - 1)
             request.spec_token_ids = []
+            self._clear_suspect(request)  # it sampled without failing
             for token in tokens:
                 request.append_output_token(token)
                 status = check_stop(request, self.config.max_model_len)

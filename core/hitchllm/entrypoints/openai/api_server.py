@@ -1,12 +1,19 @@
-"""``hitchllm serve``: build the engine, wrap it for asyncio, serve it with uvicorn."""
+"""``hitchllm serve``: build the engine, wrap it for asyncio, serve it with uvicorn.
+
+If the engine loop dies, ``/health`` answers 503 at once and the process shuts down and exits
+with status 1, so that an orchestrator (systemd, Kubernetes) restarts it.
+"""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hitchllm.config import EngineConfig
+
+if TYPE_CHECKING:
+    from hitchllm.entrypoints.openai.server import ServerLimits
 
 logger = logging.getLogger(__name__)
 
@@ -18,8 +25,10 @@ def serve(
     served_model_name: list[str] | None = None,
     api_key: str | None = None,
     chat_template: str | None = None,
+    limits: ServerLimits | None = None,
 ) -> None:
-    """Start the engine and serve it until interrupted. Binds 127.0.0.1 unless told otherwise."""
+    """Start the engine and serve it until interrupted (or until the engine dies: then exit
+    with status 1). Binds 127.0.0.1 unless told otherwise."""
     try:
         import uvicorn
         from transformers import AutoTokenizer
@@ -38,13 +47,24 @@ def serve(
     names = served_model_name or [engine_config.model]
     engine = LLMEngine(engine_config)
     metrics = ServerMetrics(names[0])
-    async_engine = AsyncLLMEngine(engine, on_step=metrics.observe)
+    server: uvicorn.Server | None = None
+
+    def on_dead(_: BaseException) -> None:
+        logger.error("the engine loop died; shutting the server down (exit status 1)")
+        if server is not None:
+            server.should_exit = True
+
+    async_engine = AsyncLLMEngine(engine, on_step=metrics.observe, on_dead=on_dead)
     tokenizer: Any = AutoTokenizer.from_pretrained(engine_config.tokenizer or engine_config.model)
-    app = build_app(async_engine, names, tokenizer, metrics, api_key, template)
+    app = build_app(async_engine, names, tokenizer, metrics, api_key, template, limits)
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         logger.warning("serving on %s without --api-key: anyone who can reach it can use it", host)
     logger.info("serving %s on http://%s:%d/v1 (OpenAI-compatible)", ", ".join(names), host, port)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                           timeout_graceful_shutdown=5))
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+        server.run()
     finally:
         async_engine.shutdown()
+    if async_engine.dead_reason is not None:
+        raise SystemExit(1)

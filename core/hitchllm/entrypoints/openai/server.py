@@ -1,15 +1,19 @@
-"""The OpenAI-compatible HTTP server (FastAPI + uvicorn): routes, errors, API key.
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn): routes, errors, limits, API key.
 
 Errors use OpenAI's JSON shape ``{"error": {"message", "type", "param", "code"}}``: invalid
 parameters, malformed JSON and prompts that cannot fit -> 400; unknown model -> 404; a missing
-or wrong key when ``--api-key`` is set -> 401.
+or wrong key when ``--api-key`` is set -> 401; a body over ``max_request_bytes`` -> 413; a
+request the engine failed -> 500; a dead engine -> 503. 5xx bodies never carry internal
+exception text (it goes to the server log).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
@@ -19,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import hitchllm
-from hitchllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from hitchllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from hitchllm.entrypoints.openai.metrics import ServerMetrics
 from hitchllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from hitchllm.entrypoints.openai.serving import OpenAIServing
@@ -28,7 +32,21 @@ from hitchllm.entrypoints.openai.streaming import sse
 logger = logging.getLogger(__name__)
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                500: "InternalServerError", 503: "ServiceUnavailableError"}
+                413: "RequestTooLargeError", 500: "InternalServerError",
+                503: "ServiceUnavailableError"}
+_INTERNAL_ERROR = "internal server error (details are in the server log)"
+# How often a non-streaming request checks whether its client is still there.
+_DISCONNECT_POLL_SECONDS = 0.5
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Limits that keep one request from overloading the server."""
+
+    # Largest ``n`` (sequences per prompt) a request may ask for.
+    max_n: int = 128
+    # Largest request body, in bytes.
+    max_request_bytes: int = 4 * 2**20
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -39,6 +57,95 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
     }})
 
 
+class BodySizeLimit:
+    """ASGI middleware: answer 413 to a request body over ``max_bytes``, whether announced
+    by Content-Length or streamed in chunks, before the body is buffered."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            return await self._too_large()(scope, receive, send)
+        received = 0
+
+        async def limited_receive() -> Any:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                # FastAPI passes HTTPExceptions raised while reading the body through.
+                raise StarletteHTTPException(413, self._message())
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def _message(self) -> str:
+        return (f"the request body is larger than {self.max_bytes} bytes; send less, or start "
+                "the server with a larger --max-request-bytes")
+
+    def _too_large(self) -> JSONResponse:
+        return error_response(413, self._message())
+
+
+class APIKeyCheck:
+    """ASGI middleware: /v1 routes need ``Authorization: Bearer <api_key>``. It reads the
+    ASGI path, which routing uses (``request.url`` is rebuilt from the Host header)."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = error_response(401, "missing or invalid API key: send "
+                                               "'Authorization: Bearer <key>'")
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def _invalid_text_field(value: Any, path: str = "") -> str | None:
+    """The first field holding a string that is not valid Unicode (a lone surrogate from a
+    JSON escape like "\\ud800"), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if (found := _invalid_text_field(item, f"{path}.{key}" if path else str(key))):
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if (found := _invalid_text_field(item, f"{path}[{i}]")):
+                return found
+    return None
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """Await ``work``; cancel it (which aborts its engine requests) if the client leaves.
+    Returns None when the client is gone."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_SECONDS)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                return None
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
 def build_app(
     engine: AsyncLLMEngine,
     served_model_names: list[str],
@@ -46,24 +153,26 @@ def build_app(
     metrics: ServerMetrics,
     api_key: str | None = None,
     chat_template: str | None = None,
+    limits: ServerLimits | None = None,
 ) -> FastAPI:
     """The FastAPI application serving ``engine`` under ``served_model_names`` (the first is
     the name reported back)."""
+    limits = limits or ServerLimits()
     app = FastAPI(title="hitchllm", version=hitchllm.__version__)
     serving = OpenAIServing(engine, served_model_names[0], tokenizer, chat_template)
+    app.add_middleware(BodySizeLimit, max_bytes=limits.max_request_bytes)
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next: Any) -> Response:
-        if api_key is not None and request.url.path.startswith("/v1"):
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return error_response(401, "missing or invalid API key: send "
-                                           "'Authorization: Bearer <key>'")
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(APIKeyCheck, api_key=api_key)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.error("request failed", exc_info=exc)
+        return error_response(500, _INTERNAL_ERROR)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -81,32 +190,44 @@ def build_app(
                      f"{', '.join(served_model_names)}", param="model")
         return None
 
-    async def respond(req: CompletionRequest | ChatCompletionRequest, handler: Any) -> Response:
+    async def respond(
+        request: Request, req: CompletionRequest | ChatCompletionRequest, handler: Any
+    ) -> Response:
         if (err := check_model(req.model)) is not None:
             return err
         if bad := req.unsupported():
             return error_response(400, f"not supported by this server: {', '.join(bad)}",
                                   param=bad[0])
+        if (field := _invalid_text_field(req.model_dump())) is not None:
+            return error_response(400, f"{field}: the text is not valid Unicode (a lone "
+                                       "surrogate escape?)", param=field)
+        if req.n > limits.max_n:
+            return error_response(400, f"n must be at most {limits.max_n} on this server, got "
+                                       f"{req.n}", param="n")
         try:
-            result = await handler(req)
+            result = await _unless_disconnected(request, handler(req))
         except ValueError as exc:
             # Parameter errors start with the field's name ("top_p must be in (0, 1]...").
             words = str(exc).split()
             param = words[0] if words and words[0] in type(req).model_fields else None
             return error_response(400, str(exc), param=param)
+        except RequestFailedError as exc:
+            return error_response(500, str(exc))
         except EngineDeadError as exc:
             return error_response(503, str(exc))
+        if result is None:  # the client left; its requests were aborted
+            return Response(status_code=499)
         if isinstance(result, dict):
             return JSONResponse(result)
         return StreamingResponse(_guarded(result), media_type="text/event-stream")
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest) -> Response:
-        return await respond(req, serving.completions)
+    async def completions(request: Request, req: CompletionRequest) -> Response:
+        return await respond(request, req, serving.completions)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest) -> Response:
-        return await respond(req, serving.chat)
+    async def chat_completions(request: Request, req: ChatCompletionRequest) -> Response:
+        return await respond(request, req, serving.chat)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -118,6 +239,9 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
+        """200 while the engine loop runs; 503 with the reason once it has stopped."""
+        if (reason := engine.dead_reason) is not None:
+            return error_response(503, reason)
         return Response(status_code=200)
 
     @app.get("/version")
@@ -132,11 +256,16 @@ def build_app(
 
 
 async def _guarded(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Stream ``chunks``; an engine failure mid-stream becomes a final error event."""
+    """Stream ``chunks``; a failure mid-stream becomes a final error event."""
     try:
         async for chunk in chunks:
             yield chunk
-    except (ValueError, EngineDeadError) as exc:
-        yield sse({"error": {"message": str(exc), "type": "InternalServerError", "code": 500}})
+    except (RequestFailedError, EngineDeadError) as exc:
+        code = 503 if isinstance(exc, EngineDeadError) else 500
+        yield sse({"error": {"message": str(exc), "type": _ERROR_TYPES[code], "code": code}})
+    except Exception as exc:
+        logger.error("streaming a response failed", exc_info=exc)
+        yield sse({"error": {"message": _INTERNAL_ERROR, "type": _ERROR_TYPES[500],
+                             "code": 500}})
     finally:
         await chunks.aclose()  # type: ignore[attr-defined]

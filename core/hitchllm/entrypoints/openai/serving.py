@@ -8,11 +8,15 @@ so a bad request always gets a 400.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
+
+from jinja2 import TemplateError
 
 from hitchllm.engine.async_engine import AsyncLLMEngine
 from hitchllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -51,6 +55,32 @@ class OpenAIServing:
         # A separate tokenizer instance: the engine thread uses its own concurrently.
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        # Prompts are tokenized here, off the event loop and off the engine thread, one at a
+        # time (a tokenizer instance is not safe to share between threads).
+        self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="hitchllm-tokenize")
+        # No token covers more characters than its longest vocabulary entry, so a text
+        # longer than max_model_len times that cannot fit and is not worth tokenizing.
+        longest_token = max((len(t) for t in tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = engine.engine.max_model_len * max(1, longest_token)
+
+    async def _in_tokenizer_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, fn, *args)
+
+    async def tokenize_prompts(self, prompts: list[Any]) -> list[Any]:
+        """Text prompts become ``{"prompt", "prompt_token_ids"}`` (ValueError when one cannot
+        fit max_model_len); token-id prompts pass through."""
+        out = []
+        for prompt in prompts:
+            if not isinstance(prompt, str):
+                out.append(prompt)
+                continue
+            if len(prompt) > self.max_prompt_chars:
+                raise ValueError(
+                    f"prompt has {len(prompt)} characters, more than max_model_len="
+                    f"{self.engine.engine.max_model_len} tokens can hold; shorten it")
+            ids = await self._in_tokenizer_thread(lambda p: self.tokenizer(p).input_ids, prompt)
+            out.append({"prompt": prompt, "prompt_token_ids": list(ids)})
+        return out
 
     # ---- shared ------------------------------------------------------------------------
 
@@ -119,7 +149,7 @@ class OpenAIServing:
 
     async def completions(self, req: CompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
         params = req.sampling_params(req.max_tokens, req.logprobs)
-        batch = await self._start(req.prompts(), params)
+        batch = await self._start(await self.tokenize_prompts(req.prompts()), params)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             return self._stream_completions(req, batch, rid, created, params.stop_strings)
@@ -203,7 +233,8 @@ class OpenAIServing:
     # ---- /v1/chat/completions ----------------------------------------------------------
 
     def chat_prompt(self, req: ChatCompletionRequest) -> dict[str, Any]:
-        """Token ids of the conversation under the chat template (ValueError if none)."""
+        """Token ids of the conversation under the chat template (ValueError if there is no
+        template, or the template rejects the messages)."""
         template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise ValueError(
@@ -211,16 +242,20 @@ class OpenAIServing:
                 "--chat-template FILE (a Jinja template)"
             )
         messages = [m.as_template_input() for m in req.messages]
-        ids = self.tokenizer.apply_chat_template(
-            messages, chat_template=template, tokenize=True,
-            add_generation_prompt=req.add_generation_prompt, return_dict=True,
-        )["input_ids"]
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                messages, chat_template=template, tokenize=True,
+                add_generation_prompt=req.add_generation_prompt, return_dict=True,
+            )["input_ids"]
+        except TemplateError as exc:  # e.g. raise_exception("roles must alternate ...")
+            raise ValueError(f"messages: the chat template rejected them: {exc}") from exc
         return {"prompt_token_ids": list(ids)}
 
     async def chat(self, req: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = req.sampling_params(max_tokens, req.num_logprobs())
-        batch = await self._start([self.chat_prompt(req)], params)
+        prompt = await self._in_tokenizer_thread(self.chat_prompt, req)
+        batch = await self._start([prompt], params)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             return self._stream_chat(req, batch, rid, created, params.stop_strings)
