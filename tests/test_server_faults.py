@@ -266,3 +266,16 @@ def test_abort_ends_the_stream_with_a_finished_output(app_engine):
     assert outputs[-1].finished
     assert outputs[-1].outputs[0].finish_reason == "abort"
     assert len(outputs[-1].outputs[0].token_ids) < 400
+
+
+def test_fields_the_server_does_not_implement_are_400_by_name(app_engine):
+    http, _ = app_engine
+    for field, value in [("no_such_field", 1), ("use_beam_search", True),
+                         ("length_penalty", 0.5)]:
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2,
+                                               field: value})
+        assert r.status_code == 400, field
+        assert r.json()["error"]["param"] == field
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2,
+                                           "user": "u1", "metadata": {"k": "v"}, "store": False})
+    assert r.status_code == 200

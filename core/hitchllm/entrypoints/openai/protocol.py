@@ -1,6 +1,7 @@
 """Request bodies of the OpenAI-compatible API, validated with pydantic, and their mapping to
-``SamplingParams``. Unknown fields are ignored (as OpenAI-compatible servers commonly do);
-known OpenAI fields hitchllm does not implement are rejected with a 400 naming them."""
+``SamplingParams``. A field this server does not implement (an unknown one, or a known OpenAI
+field set to something other than its default) is rejected with a 400 naming it, never
+silently ignored; only fields that change nothing here (``user``, ``metadata``, ...) pass."""
 
 from __future__ import annotations
 
@@ -15,10 +16,16 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# OpenAI fields that ask nothing of generation (bookkeeping, hints); accepted and ignored.
+_IGNORED_FIELDS = frozenset({"metadata", "store", "service_tier", "prompt_cache_key",
+                             "safety_identifier", "parallel_tool_calls"})
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by completions and chat completions (OpenAI's plus vLLM's extras)."""
 
-    model_config = ConfigDict(extra="ignore")
+    # Extra fields are kept so that ``unsupported`` can name them.
+    model_config = ConfigDict(extra="allow")
 
     model: str
     temperature: float | None = None
@@ -44,7 +51,7 @@ class _SamplingFields(BaseModel):
 
     def unsupported(self) -> list[str]:
         """Fields set to something this server does not implement."""
-        bad = []
+        bad = sorted(set(self.model_extra or {}) - _IGNORED_FIELDS)
         if self.logit_bias:
             bad.append("logit_bias")
         return bad
