@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Logprob:
-    """The log probability of one token and its 1-based rank under the model's distribution."""
+    """The log probability of one token, its 1-based rank under the model's distribution, and
+    its text (the token decoded alone; None when the request asked for ``detokenize=False``)."""
 
     logprob: float
     rank: int | None = None
@@ -25,6 +26,8 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     # One dict per generated token (token id -> Logprob) when logprobs were requested.
     logprobs: list[dict[int, Logprob]] | None = None
+    # Sum of the sampled tokens' logprobs when logprobs were requested, else None.
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:

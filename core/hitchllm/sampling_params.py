@@ -44,6 +44,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    # Keep only the last k prompt tokens (-1: the last max_model_len); None keeps them all.
+    truncate_prompt_tokens: int | None = None
     # Filled by __post_init__ from ``stop``: always a list.
     stop_strings: list[str] = field(init=False, repr=False)
 
@@ -129,6 +131,10 @@ class SamplingParams:
             bad(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids}.")
         if self.stop_strings and not self.detokenize:
             bad("stop strings need detokenize=True (use stop_token_ids to stop without text).")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not isinstance(k, int) or (k < 1 and k != -1)):
+            bad(f"truncate_prompt_tokens must be an integer >= 1 (keep the last k prompt tokens) "
+                f"or -1 (keep the last max_model_len), got {k!r}.")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1):
             # Sequence i of an n > 1 request uses seed + i.
             bad(f"seed must be in [{SEED_MIN}, {SEED_MAX - (self.n - 1)}] "

@@ -265,6 +265,7 @@ class LLMEngine:
         elif self._id_in_use(request_id, params.n):
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize(prompt)
+        token_ids = self._truncate_prompt(token_ids, params)
         self._validate(token_ids, params)
         children = []
         for i in range(params.n):
@@ -298,6 +299,19 @@ class LLMEngine:
         ids = {request_id} | {self._child_id(request_id, i, n) for i in range(n)}
         return any(rid in self.output_processor.parents or rid in self.scheduler.requests
                    for rid in ids)
+
+    def _truncate_prompt(self, token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The last ``params.truncate_prompt_tokens`` prompt tokens (-1: the last
+        max_model_len), or all of them when it is None."""
+        k = params.truncate_prompt_tokens
+        if k is None:
+            return token_ids
+        if k > self.max_model_len:
+            raise ValueError(
+                f"truncate_prompt_tokens={k} exceeds max_model_len={self.max_model_len}; "
+                "use a smaller value, or -1 to keep the last max_model_len tokens"
+            )
+        return token_ids[-(self.max_model_len if k == -1 else k):]
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
         vocab = self.model_config.vocab_size

@@ -4,6 +4,7 @@ logprobs, and fan-in of the ``n`` sequences of a parallel-sampling request."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,8 @@ class SequenceState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_tokens_seen: int = 0
+    # Sum of the sampled tokens' logprobs; None unless logprobs were asked.
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -53,6 +56,8 @@ class OutputProcessor:
         self.parents: dict[str, ParentState] = {}
         # child request id -> (parent, index of the child among the parent's sequences)
         self._parent_of: dict[str, tuple[ParentState, int]] = {}
+        # token id -> its text decoded alone (``Logprob.decoded_token``); bounded by the vocab.
+        self._token_texts: dict[int, str] = {}
 
     def add(
         self, request_id: str, prompt: str | None, children: list[Request],
@@ -66,7 +71,8 @@ class OutputProcessor:
                 if params.detokenize else None
             )
             logprobs = [] if params.logprobs is not None else None
-            seqs.append(SequenceState(i, child, detok, logprobs))
+            seqs.append(SequenceState(i, child, detok, logprobs,
+                                      cumulative_logprob=None if logprobs is None else 0.0))
         parent = ParentState(request_id, prompt, children[0].prompt_token_ids, seqs,
                              final_only=final_only)
         if children[0].sampling_params.prompt_logprobs is not None:
@@ -94,6 +100,8 @@ class OutputProcessor:
             if rid in self._parent_of:
                 parent = self._parent_of[rid][0]
                 if parent.prompt_logprobs is not None:
+                    if parent.sequences[0].request.sampling_params.detokenize:
+                        self._decode_entries(entry for _, entry in entries)
                     parent.prompt_logprobs.update(entries)
         for request in updated:
             parent, index = self._parent_of[request.request_id]
@@ -115,7 +123,12 @@ class OutputProcessor:
                             stopped.append(request.request_id)
                         break
             if seq.logprobs is not None and request.request_id in logprobs:
-                seq.logprobs.extend(logprobs[request.request_id][:kept])
+                new_entries = logprobs[request.request_id][:kept]
+                if request.sampling_params.detokenize:
+                    self._decode_entries(new_entries)
+                seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + sum(
+                    entry[token].logprob for token, entry in zip(tokens, new_entries))
+                seq.logprobs.extend(new_entries)
             seq.num_tokens_seen += kept
             if seq.finish_reason is None and request.finished:
                 if detok is not None:
@@ -128,6 +141,15 @@ class OutputProcessor:
             if parent.finished:
                 self._forget(parent)
         return outputs, stopped
+
+    def _decode_entries(self, entries: Iterable[dict[int, Logprob]]) -> None:
+        """Fill ``decoded_token`` of every logprob in ``entries``."""
+        texts = self._token_texts
+        for entry in entries:
+            for token, logprob in entry.items():
+                if token not in texts:
+                    texts[token] = self.tokenizer.decode([token])
+                logprob.decoded_token = texts[token]
 
     def parent_id(self, child_request_id: str) -> str | None:
         """The user request a child sequence belongs to."""
@@ -164,6 +186,7 @@ class OutputProcessor:
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,
                 logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                cumulative_logprob=seq.cumulative_logprob,
             ))
         metrics = {"arrival_time": parent.arrival_time}
         if parent.first_token_time is not None:

@@ -48,6 +48,8 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
 
     def unsupported(self) -> list[str]:
         """Fields set to something this server does not implement."""
@@ -74,6 +76,8 @@ class _SamplingFields(BaseModel):
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
         )
@@ -91,13 +95,26 @@ class CompletionRequest(_SamplingFields):
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
-        if self.echo:
-            bad.append("echo")
         if self.best_of is not None and self.best_of != self.n:
             bad.append("best_of")
         if self.suffix:
             bad.append("suffix")
         return bad
+
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens=0``: the prompt (and its logprobs) is the whole answer,
+        as lm-eval asks to score a text."""
+        return self.echo and self.max_tokens == 0
+
+    def completion_params(self) -> SamplingParams:
+        """The engine's parameters. An echo-only request generates one token that is never
+        returned (the engine samples at least one); echo with logprobs scores the prompt with
+        as many top tokens as the completion."""
+        params = self.sampling_params(1 if self.echo_only else self.max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None and params.prompt_logprobs is None:
+            params.prompt_logprobs = self.logprobs
+        return params
 
     def prompts(self) -> list[str | dict[str, Any]]:
         """The batch of prompts: strings or token-id lists, as the engine takes them."""

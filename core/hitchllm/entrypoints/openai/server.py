@@ -15,11 +15,12 @@ import logging
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import hitchllm
@@ -28,6 +29,11 @@ from hitchllm.entrypoints.openai.metrics import ServerMetrics
 from hitchllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from hitchllm.entrypoints.openai.serving import OpenAIServing
 from hitchllm.entrypoints.openai.streaming import sse
+from hitchllm.entrypoints.openai.tokenization import (
+    DetokenizeRequest,
+    OpenAITokenization,
+    parse_tokenize_request,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -229,13 +235,13 @@ def build_app(
     async def chat_completions(request: Request, req: ChatCompletionRequest) -> Response:
         return await respond(request, req, serving.chat)
 
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "hitchllm",
+                "max_model_len": engine.engine.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "hitchllm",
-             "max_model_len": engine.engine.max_model_len}
-            for name in served_model_names
-        ]}
+        return {"object": "list", "data": [model_card(name) for name in served_model_names]}
 
     @app.get("/health")
     async def health() -> Response:
@@ -251,6 +257,36 @@ def build_app(
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    # ---- vLLM's extra routes: one model's card, and the server's tokenizer ----
+
+    tokenization = OpenAITokenization(serving, engine.engine.max_model_len)
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        if (err := check_model(model_id)) is not None:
+            return err
+        return JSONResponse(model_card(model_id))
+
+    async def tokenizer_route(model_name: str | None, handler: Any, req: Any) -> Response:
+        if model_name is not None and (err := check_model(model_name)) is not None:
+            return err
+        try:
+            return JSONResponse(await serving.in_tokenizer_thread(handler, req))
+        except ValueError as exc:
+            return error_response(400, str(exc))
+
+    @app.post("/tokenize")
+    async def tokenize(body: Annotated[dict[str, Any], Body()]) -> Response:
+        try:
+            req = parse_tokenize_request(body)
+        except ValidationError as exc:
+            raise RequestValidationError(exc.errors()) from exc
+        return await tokenizer_route(req.model, tokenization.tokenize, req)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> Response:
+        return await tokenizer_route(req.model, tokenization.detokenize, req)
 
     return app
 

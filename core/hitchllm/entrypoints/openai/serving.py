@@ -22,6 +22,7 @@ from hitchllm.engine.async_engine import AsyncLLMEngine
 from hitchllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from hitchllm.entrypoints.openai.streaming import merge, sse, stream_safe_length
 from hitchllm.outputs import CompletionOutput, Logprob, RequestOutput
+from hitchllm.sampling_params import SamplingParams
 
 
 @dataclass
@@ -63,22 +64,23 @@ class OpenAIServing:
         longest_token = max((len(t) for t in tokenizer.get_vocab()), default=1)
         self.max_prompt_chars = engine.engine.max_model_len * max(1, longest_token)
 
-    async def _in_tokenizer_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def in_tokenizer_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` in the tokenizer thread (tokenizing, chat templates)."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizing, fn, *args)
 
-    async def tokenize_prompts(self, prompts: list[Any]) -> list[Any]:
+    async def tokenize_prompts(self, prompts: list[Any], params: SamplingParams) -> list[Any]:
         """Text prompts become ``{"prompt", "prompt_token_ids"}`` (ValueError when one cannot
-        fit max_model_len); token-id prompts pass through."""
+        fit max_model_len and is not to be truncated); token-id prompts pass through."""
         out = []
         for prompt in prompts:
             if not isinstance(prompt, str):
                 out.append(prompt)
                 continue
-            if len(prompt) > self.max_prompt_chars:
+            if params.truncate_prompt_tokens is None and len(prompt) > self.max_prompt_chars:
                 raise ValueError(
                     f"prompt has {len(prompt)} characters, more than max_model_len="
                     f"{self.engine.engine.max_model_len} tokens can hold; shorten it")
-            ids = await self._in_tokenizer_thread(lambda p: self.tokenizer(p).input_ids, prompt)
+            ids = await self.in_tokenizer_thread(lambda p: self.tokenizer(p).input_ids, prompt)
             out.append({"prompt": prompt, "prompt_token_ids": list(ids)})
         return out
 
@@ -148,25 +150,65 @@ class OpenAIServing:
     # ---- /v1/completions ---------------------------------------------------------------
 
     async def completions(self, req: CompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
-        params = req.sampling_params(req.max_tokens, req.logprobs)
-        batch = await self._start(await self.tokenize_prompts(req.prompts()), params)
+        _check_no_streamed_prompt_logprobs(req)
+        params = req.completion_params()
+        batch = await self._start(await self.tokenize_prompts(req.prompts(), params), params)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        if req.stream:
+        if req.stream and not req.echo_only:
             return self._stream_completions(req, batch, rid, created, params.stop_strings)
         outputs = await self._finish_all(batch)
-        choices = []
-        for i, out in enumerate(outputs):
-            for seq in out.outputs:
-                choices.append({
-                    "index": i * req.n + seq.index,
-                    "text": seq.text,
-                    "logprobs": self._completion_logprobs(seq.token_ids, seq.logprobs or [], 0)
-                    if req.logprobs is not None else None,
-                    "finish_reason": seq.finish_reason,
-                    "stop_reason": seq.stop_reason,
-                })
-        return {"id": rid, "object": "text_completion", "created": created,
-                "model": self.model_name, "choices": choices, "usage": self._usage(outputs)}
+        choices = [self._completion_choice(req, i, out, seq)
+                   for i, out in enumerate(outputs) for seq in out.outputs]
+        usage = self._usage(outputs)
+        if req.echo_only:  # the token generated to reach the prompt's logits is not returned
+            usage.update(completion_tokens=0, total_tokens=usage["prompt_tokens"])
+        head = {"id": rid, "object": "text_completion", "created": created,
+                "model": self.model_name}
+        if req.stream:  # echo only: the whole answer is known at once
+            return self._stream_whole(req, head, choices, usage)
+        return {**head, "choices": choices, "usage": usage}
+
+    def _completion_choice(
+        self, req: CompletionRequest, i: int, out: RequestOutput, seq: CompletionOutput
+    ) -> dict[str, Any]:
+        """One choice of a finished completion; with ``echo`` the prompt comes first, in the
+        text and in the logprobs (its first token has none: nothing precedes it)."""
+        text, ids, entries = seq.text, seq.token_ids, list(seq.logprobs or [])
+        if req.echo_only:
+            text, ids, entries = "", [], []
+        if req.echo:
+            text = self._prompt_text(req, out) + text
+            ids = out.prompt_token_ids + ids
+            entries = list(out.prompt_logprobs or []) + entries
+        return {
+            "index": i * req.n + seq.index,
+            "text": text,
+            "logprobs": self._completion_logprobs(ids, entries, 0)
+            if req.logprobs is not None else None,
+            "finish_reason": seq.finish_reason,
+            "stop_reason": seq.stop_reason,
+            "prompt_logprobs": _prompt_logprobs_json(out.prompt_logprobs)
+            if req.prompt_logprobs is not None else None,
+        }
+
+    def _prompt_text(self, req: CompletionRequest, out: RequestOutput) -> str:
+        """The prompt as echoed: the text sent, else (token ids sent, or a prompt the engine
+        truncated) its token ids decoded."""
+        if out.prompt is not None and req.truncate_prompt_tokens is None:
+            return out.prompt
+        return self.tokenizer.decode(out.prompt_token_ids)
+
+    @staticmethod
+    async def _stream_whole(
+        req: CompletionRequest, head: dict[str, Any], choices: list[dict[str, Any]],
+        usage: dict[str, int],
+    ) -> AsyncIterator[str]:
+        """SSE chunks of an answer that is complete before the first chunk."""
+        for choice in choices:
+            yield sse({**head, "choices": [choice]})
+        if req.stream_options and req.stream_options.include_usage:
+            yield sse({**head, "choices": [], "usage": usage})
+        yield sse("[DONE]")
 
     def _stream_completions(
         self, req: CompletionRequest, batch: _Batch, rid: str, created: int, stop: list[str]
@@ -182,7 +224,15 @@ class OpenAIServing:
 
         head = {"id": rid, "object": "text_completion", "created": created,
                 "model": self.model_name}
-        return self._stream(req, batch, head, stop, req.logprobs is not None, choice, [])
+        prologue = []
+        if req.echo:  # the prompt (and its logprobs) first, then the completion as it comes
+            for i, out in enumerate(batch.latest):
+                text = self._prompt_text(req, out)
+                for j in range(req.n):
+                    echoed = choice(i * req.n + j, text, out.prompt_token_ids,
+                                    list(out.prompt_logprobs or []))
+                    prologue.append({**echoed, "finish_reason": None, "stop_reason": None})
+        return self._stream(req, batch, head, stop, req.logprobs is not None, choice, prologue)
 
     async def _stream(
         self, req: CompletionRequest | ChatCompletionRequest, batch: _Batch,
@@ -217,14 +267,21 @@ class OpenAIServing:
                 "total_tokens": prompt + completion}
 
     def _completion_logprobs(
-        self, token_ids: list[int], entries: list[dict[int, Logprob]], offset: int
+        self, token_ids: list[int], entries: list[dict[int, Logprob] | None], offset: int
     ) -> dict[str, Any]:
-        tokens, token_lps, tops, offsets = [], [], [], []
+        """OpenAI's legacy logprobs; a None entry (an echoed prompt's first token) has a null
+        logprob and null top logprobs."""
+        tokens: list[str] = []
+        token_lps: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
         for token_id, entry in zip(token_ids, entries):
             text = self._token_text(token_id)
             tokens.append(text)
-            token_lps.append(entry[token_id].logprob)
-            tops.append({self._token_text(t): lp.logprob for t, lp in entry.items()})
+            token_lps.append(None if entry is None else entry[token_id].logprob)
+            tops.append(None if entry is None else {
+                self._token_text(t) if lp.decoded_token is None else lp.decoded_token: lp.logprob
+                for t, lp in entry.items()})
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
@@ -252,9 +309,10 @@ class OpenAIServing:
         return {"prompt_token_ids": list(ids)}
 
     async def chat(self, req: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
+        _check_no_streamed_prompt_logprobs(req)
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = req.sampling_params(max_tokens, req.num_logprobs())
-        prompt = await self._in_tokenizer_thread(self.chat_prompt, req)
+        prompt = await self.in_tokenizer_thread(self.chat_prompt, req)
         batch = await self._start([prompt], params)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
@@ -269,7 +327,9 @@ class OpenAIServing:
             "stop_reason": seq.stop_reason,
         } for seq in out.outputs]
         return {"id": rid, "object": "chat.completion", "created": created,
-                "model": self.model_name, "choices": choices, "usage": self._usage([out])}
+                "model": self.model_name, "choices": choices, "usage": self._usage([out]),
+                "prompt_logprobs": _prompt_logprobs_json(out.prompt_logprobs)
+                if req.prompt_logprobs is not None else None}
 
     def _stream_chat(
         self, req: ChatCompletionRequest, batch: _Batch, rid: str, created: int, stop: list[str]
@@ -302,3 +362,20 @@ class OpenAIServing:
     def _chat_token(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self._token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def _check_no_streamed_prompt_logprobs(req: CompletionRequest | ChatCompletionRequest) -> None:
+    if req.stream and req.prompt_logprobs is not None:
+        raise ValueError("prompt_logprobs is not available with stream=true (vLLM's rule too); "
+                         "use echo with logprobs on /v1/completions to stream a prompt's logprobs")
+
+
+def _prompt_logprobs_json(
+    entries: list[dict[int, Logprob] | None] | None,
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token, then per token a dict
+    ``token id -> {logprob, rank, decoded_token}`` (the prompt's token and the top ones)."""
+    return [None if entry is None else {
+        str(token): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+        for token, lp in entry.items()
+    } for entry in entries or []]
