@@ -237,9 +237,11 @@ class Sampler(torch.nn.Module):
         if not metadata.all_random:
             # Greedy rows are overwritten by the caller; temperature 1 keeps them finite.
             temperature = torch.where(temperature == 0.0, 1.0, temperature)
-        # A tiny temperature (or a tiny repetition penalty before it) can overflow float32;
-        # +inf would turn the softmax into NaN, the largest finite value keeps the order.
-        logits = (logits / temperature[:, None]).clamp_max(torch.finfo(logits.dtype).max)
+        logits = logits / temperature[:, None]
+        if not metadata.no_penalties:
+            # A tiny repetition penalty can overflow float32 (validation keeps it positive);
+            # +inf would make the softmax NaN, the largest finite value keeps the order.
+            logits = logits.clamp_max(torch.finfo(logits.dtype).max)
         logits = apply_top_k_top_p_min_p(logits, metadata.top_k, metadata.top_p, metadata.min_p)
         probs = logits.softmax(dim=-1)
         q = _exponential_noise(
