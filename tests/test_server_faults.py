@@ -14,6 +14,8 @@ import urllib.request
 import openai
 import pytest
 from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from server_process import running_server, scrape
 
 from hitchllm import SamplingParams
@@ -279,3 +281,29 @@ def test_fields_the_server_does_not_implement_are_400_by_name(app_engine):
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2,
                                            "user": "u1", "metadata": {"k": "v"}, "store": False})
     assert r.status_code == 200
+
+
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner,
+                                                                  max_size=3),
+    max_leaves=6)
+_FIELDS = ["temperature", "top_p", "top_k", "min_p", "seed", "n", "max_tokens", "stop",
+           "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs",
+           "min_tokens", "stop_token_ids", "ignore_eos", "echo", "prompt_logprobs",
+           "truncate_prompt_tokens", "stream", "prompt", "best_of", "stream_options",
+           "skip_special_tokens", "include_stop_str_in_output", "user"]
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(fields=st.dictionaries(st.sampled_from(_FIELDS), _JSON_VALUES, max_size=4))
+def test_fuzzed_completion_bodies_never_get_a_5xx(app_engine, fields):
+    http, async_engine = app_engine
+    body = {"model": MODEL, "prompt": "def f(x):", "max_tokens": 3, **fields}
+    if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 8:
+        body["max_tokens"] = 8  # keep each example short
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code < 500, (body, r.text)
+    assert async_engine.dead_reason is None
