@@ -24,6 +24,7 @@ from hitchllm.cpu_threads import default_omp_wait_policy
 from hitchllm.entrypoints.bench_throughput import fit_lengths
 from hitchllm.entrypoints.chat_history import fit_conversation
 from hitchllm.entrypoints.cli import build_parser, main, served_model
+from hitchllm.entrypoints.token_stream import stream_request
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -122,6 +123,18 @@ def test_chat_streams_its_replies(llama_path, monkeypatch):
                  "--block-size", "4"]) == 0
     assert recorder.getvalue() == expected + "\n"
     assert len([w for w in recorder.writes if w.strip()]) >= 3
+
+
+def test_a_stream_left_early_aborts_its_request(llama_path):
+    llm = LLM(llama_path, block_size=4)
+    stream = stream_request(llm.engine, "abc", SamplingParams(max_tokens=50, ignore_eos=True))
+    first = next(stream)
+    assert not first.finished
+    stream.close()  # what Ctrl-C or a closed pipe does to the loop that prints
+    assert not llm.engine.scheduler.has_unfinished_requests()
+    assert llm.engine.kv_cache.usage == 0
+    again = llm.generate("abc", SamplingParams(max_tokens=3), use_tqdm=False)[0]
+    assert again.finished  # the engine carries on
 
 
 # ---- chat keeps going past the context --------------------------------------------------------

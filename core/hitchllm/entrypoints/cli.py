@@ -291,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:  # a missing file or directory: one line, not a traceback
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: streamed requests are already aborted
+        print(file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
