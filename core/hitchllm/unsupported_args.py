@@ -26,7 +26,7 @@ VLLM_ARGS_NOT_SUPPORTED: dict[str, tuple[Any, str]] = {
     "max_lora_rank": (_NEVER, ""),
     "kv_cache_dtype": ("auto", "the KV cache uses the model's dtype"),
     "trust_remote_code": (False, "it runs only its own model classes"),
-    "cpu_offload_gb": (0, ""),
+    "cpu_offload_gb": (0.0, ""),
     "swap_space": (_NEVER, "preempted requests are recomputed"),
     "enable_chunked_prefill": (True, "prompts are always chunked"),
     "speculative_config": (None, "use speculative_method and num_speculative_tokens"),
@@ -48,6 +48,7 @@ def pop_unsupported_vllm_args(data: dict[str, Any], fields: Container[str]) -> l
         if no_op is not _NEVER and value == no_op:
             continue
         accepted = "" if no_op is _NEVER else f" (only {name}={no_op!r} is accepted)"
-        lines.append(f"{name} is not supported yet by hitchllm{accepted}"
-                     + (f"; {hint}" if hint else ""))
+        lines.append(
+            f"{name} is not supported yet by hitchllm{accepted}" + (f"; {hint}" if hint else "")
+        )
     return lines

@@ -26,7 +26,7 @@ def fit_conversation(
     when the newest message alone, with the system message, is over the budget.
     """
     system = messages[:1] if messages and messages[0]["role"] == "system" else []
-    turns = messages[len(system):]
+    turns = messages[len(system) :]
     dropped = 0
     while (tokens := count_tokens(system + turns)) > budget:
         if len(turns) <= 1:

@@ -50,8 +50,8 @@ def add_engine_args(
         if isinstance(no_op, bool):
             g.add_argument(flag, action="store_true", default=None, help=argparse.SUPPRESS)
         else:
-            g.add_argument(flag, type=int if isinstance(no_op, int) else str,
-                           help=argparse.SUPPRESS)
+            kind = type(no_op) if isinstance(no_op, (int, float)) else str
+            g.add_argument(flag, type=kind, help=argparse.SUPPRESS)
 
 
 ENGINE_FLAGS = ["tokenizer", "dtype", "device", "attention_backend", "block_size",

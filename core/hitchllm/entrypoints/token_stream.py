@@ -30,8 +30,9 @@ def stream_request(
             engine.abort_request(request_id)
 
 
-def print_stream(outputs: Iterator[RequestOutput], params: SamplingParams,
-                 out: TextIO) -> RequestOutput:
+def print_stream(
+    outputs: Iterator[RequestOutput], params: SamplingParams, out: TextIO
+) -> RequestOutput:
     """Write the first sequence's new text to ``out`` as it arrives (flushed each time) and
     return the final output. Text that may still become a stop string, and so be cut, waits
     until it cannot: what is written is always a prefix of the final text."""
