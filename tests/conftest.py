@@ -2,6 +2,11 @@
 
 import os
 
+# OpenMP threads that spin while they wait slow every test down many times over on a shared,
+# busy CPU (docs/performance.md); the hitchllm command sets the same. Read once, when torch
+# loads OpenMP, so it comes before the import.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import torch  # imports no Triton kernel, so it may come first
 
 # Triton kernels must run in the interpreter on machines without a GPU; this must be set

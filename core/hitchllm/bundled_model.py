@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
+# The name ``hitchllm serve`` gives the bundled model (besides its path) when none is named.
+DEFAULT_SERVED_MODEL_NAME = "hitchllm-default"
 
 
 def default_model_path() -> str:

@@ -3,6 +3,7 @@ edge) and ``ModelConfig``, what the engine reads from a checkpoint's ``config.js
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
@@ -11,9 +12,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from hitchllm.bundled_model import default_model_path
+from hitchllm.unsupported_args import pop_unsupported_vllm_args
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -44,10 +53,47 @@ def parse_size(value: int | str) -> int:
     return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
 
 
+class EngineConfigError(ValueError):
+    """Invalid engine arguments: one line per problem, each naming its field."""
+
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__("\n".join(lines))
+        self.lines = lines
+
+
+def _error_line(error: Any, fields: Any) -> str:
+    """One pydantic error as ``field: problem (got value)``, without pydantic's URLs."""
+    loc = ".".join(str(part) for part in error["loc"])
+    if error["type"] == "extra_forbidden":
+        close = difflib.get_close_matches(loc, list(fields), n=1)
+        return f"{loc}: unknown engine argument" + (f"; did you mean {close[0]}?" if close else "")
+    message = error["msg"].removeprefix("Value error, ")
+    if not loc:
+        return message
+    if error["type"] == "value_error":  # our own validators already quote the value
+        return f"{loc}: {message}"
+    got = repr(error["input"])
+    return f"{loc}: {message} (got {got[:60] + '...' if len(got) > 60 else got})"
+
+
 class EngineConfig(BaseModel):
-    """Everything that configures one engine. Field names follow vLLM's engine arguments."""
+    """Everything that configures one engine. Field names follow vLLM's engine arguments.
+
+    Invalid arguments raise ``EngineConfigError`` (a ``ValueError``) with one line per problem;
+    common vLLM arguments hitchllm does not implement yet are refused by name.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def __init__(self, **data: Any) -> None:
+        fields = type(self).model_fields
+        lines = pop_unsupported_vllm_args(data, fields)
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            lines += [_error_line(e, fields) for e in exc.errors()]
+        if lines:
+            raise EngineConfigError(lines)
 
     # A checkpoint directory; default: the small code model bundled with the package.
     model: str = Field(default_factory=default_model_path)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hitchllm.bundled_model import default_model_path
+from hitchllm.bundled_model import DEFAULT_SERVED_MODEL_NAME
 from hitchllm.entrypoints.machine import describe_machine
 
 
@@ -34,9 +34,9 @@ class RequestResult:
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
-    parser.add_argument("--model", default=default_model_path(),
+    parser.add_argument("--model", default=DEFAULT_SERVED_MODEL_NAME,
                         help="served model name (default: the name `hitchllm serve` gives the "
-                             "bundled model, its path)")
+                             f"bundled model, {DEFAULT_SERVED_MODEL_NAME})")
     parser.add_argument("--api-key", default="none")
     parser.add_argument("--num-prompts", type=int, default=100)
     parser.add_argument("--request-rate", type=float, default=float("inf"),

@@ -3,10 +3,12 @@
 
 The workload is nano-vllm's benchmark: random prompts of random token ids with lengths uniform
 in ``--input-len``, output lengths uniform in ``--output-len``, ``ignore_eos`` so every request
-produces exactly its output length. One warm-up call, then one timed ``generate``. Greedy
-decoding on both sides. Hugging Face runs batched (``--hf-batch-size`` prompts, left-padded,
-each batch generating its longest requested output); only the requested tokens count as its
-useful output. With ``--repeat N`` each side runs N times and the fastest run counts.
+produces exactly its output length (the default lengths, 100-1024 each, shrink to fit a model
+whose ``max_model_len`` is shorter: at most half of it each). One warm-up call, then one timed
+``generate``. Greedy decoding on both sides. Hugging Face runs batched (``--hf-batch-size``
+prompts, left-padded, each batch generating its longest requested output); only the requested
+tokens count as its useful output. With ``--repeat N`` each side runs N times and the fastest
+run counts.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import gc
 import random
 import shlex
+import sys
 import time
 from dataclasses import dataclass
 from datetime import date
@@ -41,10 +44,10 @@ class Workload:
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=256)
-    parser.add_argument("--input-len", type=int, nargs=2, default=[100, 1024],
-                        metavar=("MIN", "MAX"))
-    parser.add_argument("--output-len", type=int, nargs=2, default=[100, 1024],
-                        metavar=("MIN", "MAX"))
+    parser.add_argument("--input-len", type=int, nargs=2, metavar=("MIN", "MAX"),
+                        help="prompt tokens (default: 100 1024, at most half of max_model_len)")
+    parser.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"),
+                        help="output tokens (default: 100 1024, at most what the prompt leaves)")
     # --seed (an engine flag) also seeds the workload.
     parser.add_argument("--dataset", choices=["random"], default="random")
     parser.add_argument("--compare-hf", action="store_true",
@@ -57,21 +60,50 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", type=Path, help="write a torch profiler trace here")
     parser.add_argument("--append-results", type=Path, help="append a row to this markdown file")
     parser.add_argument("--label", default="")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction,
+                        help="progress bars on stderr (default: when stderr is a terminal)")
 
 
-def make_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
+DEFAULT_LEN = (100, 1024)
+
+
+def fit_lengths(
+    input_len: list[int] | None, output_len: list[int] | None, max_model_len: int
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The (min, max) prompt and output lengths: the given ones, checked to fit
+    ``max_model_len`` together, and the defaults where none were given, shrunk to fit."""
+    def default(limit: int) -> tuple[int, int]:
+        high = min(DEFAULT_LEN[1], limit)
+        return min(DEFAULT_LEN[0], high), high
+
+    inputs = tuple(input_len) if input_len else default(max_model_len // 2)
+    outputs = tuple(output_len) if output_len else default(max_model_len - inputs[1])
+    for flag, (low, high) in (("--input-len", inputs), ("--output-len", outputs)):
+        if not 1 <= low <= high:
+            raise ValueError(f"{flag} {low} {high}: need 1 <= MIN <= MAX")
+    if inputs[1] + outputs[1] > max_model_len:
+        raise ValueError(
+            f"--input-len MAX {inputs[1]} plus --output-len MAX {outputs[1]} exceeds "
+            f"max_model_len={max_model_len}; lower them"
+        )
+    return (inputs[0], inputs[1]), (outputs[0], outputs[1])
+
+
+def make_workload(args: argparse.Namespace, vocab_size: int, max_model_len: int) -> Workload:
+    input_len, output_len = fit_lengths(args.input_len, args.output_len, max_model_len)
     rng = random.Random(args.seed)
     prompts, outs = [], []
     for _ in range(args.num_prompts):
-        n_in = rng.randint(*args.input_len)
+        n_in = rng.randint(*input_len)
         prompts.append([rng.randrange(vocab_size) for _ in range(n_in)])
-        outs.append(rng.randint(*args.output_len))
+        outs.append(rng.randint(*output_len))
     if args.hf_num_prompts:
         prompts, outs = prompts[: args.hf_num_prompts], outs[: args.hf_num_prompts]
     return Workload(prompts, outs)
 
 
-def run_hitchllm(llm, work: Workload, profile: Path | None, repeat: int = 1) -> float:
+def run_hitchllm(llm, work: Workload, profile: Path | None, repeat: int = 1,
+                 progress: bool = False) -> float:
     """Seconds of the fastest of ``repeat`` timed runs (the prefix cache is emptied before
     each, so no run reuses another's prompts)."""
     from hitchllm.sampling_params import SamplingParams
@@ -86,10 +118,10 @@ def run_hitchllm(llm, work: Workload, profile: Path | None, repeat: int = 1) -> 
         _sync(llm.engine.device)
         start = time.perf_counter()
         if profile is None:
-            outs = llm.generate(prompts, params, use_tqdm=False)
+            outs = llm.generate(prompts, params, use_tqdm=progress)
         else:
             with torch.profiler.profile(record_shapes=True) as prof:
-                outs = llm.generate(prompts, params, use_tqdm=False)
+                outs = llm.generate(prompts, params, use_tqdm=progress)
             prof.export_chrome_trace(str(profile))
         _sync(llm.engine.device)
         times.append(time.perf_counter() - start)
@@ -100,8 +132,9 @@ def run_hitchllm(llm, work: Workload, profile: Path | None, repeat: int = 1) -> 
 
 
 def run_hf(model_path: str, work: Workload, dtype: torch.dtype, device: torch.device,
-           batch_size: int, repeat: int = 1) -> float:
+           batch_size: int, repeat: int = 1, progress: bool = False) -> float:
     """Seconds of the fastest of ``repeat`` timed runs of batched ``generate``."""
+    from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
@@ -128,7 +161,8 @@ def run_hf(model_path: str, work: Workload, dtype: torch.dtype, device: torch.de
     for _ in range(repeat):
         _sync(device)
         start = time.perf_counter()
-        for i in range(0, len(work.prompts), batch_size):
+        for i in tqdm(range(0, len(work.prompts), batch_size), desc="HF generate",
+                      unit="batch", disable=not progress):
             chunk = slice(i, i + batch_size)
             generate(work.prompts[chunk], max(work.output_lens[chunk]))
         _sync(device)
@@ -154,10 +188,11 @@ HEADER = ("| engine     | requests | prompt tokens | output tokens |   seconds |
 def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
     from hitchllm.entrypoints.llm import LLM
 
+    progress = sys.stderr.isatty() if args.progress is None else args.progress
     llm = LLM(args.model, **engine_kwargs)
     engine = llm.engine
-    work = make_workload(args, engine.model_config.vocab_size)
-    ours = run_hitchllm(llm, work, args.profile, args.repeat)
+    work = make_workload(args, engine.model_config.vocab_size, engine.max_model_len)
+    ours = run_hitchllm(llm, work, args.profile, args.repeat, progress)
     dtype, device = engine.dtype, engine.device
     described = (f"{str(dtype).removeprefix('torch.')}, backend {engine.attention_backend.name}"
                  + (", enforce_eager" if engine.config.enforce_eager else ""))
@@ -169,7 +204,7 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        hf = run_hf(args.model, work, dtype, device, args.hf_batch_size, args.repeat)
+        hf = run_hf(args.model, work, dtype, device, args.hf_batch_size, args.repeat, progress)
         lines.append(_row("HF generate", work, hf))
         ratio = hf / ours
     print("\n".join(lines))

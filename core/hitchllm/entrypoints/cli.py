@@ -7,16 +7,20 @@ import argparse
 import sys
 from typing import Any
 
-from hitchllm.bundled_model import default_model_path
-from hitchllm.entrypoints import bench_perplexity, bench_serve, bench_throughput
-from hitchllm.entrypoints.backends_table import print_backends
+from hitchllm.bundled_model import DEFAULT_SERVED_MODEL_NAME, default_model_path
 from hitchllm.sampling_params import SamplingParams
+from hitchllm.unsupported_args import VLLM_ARGS_NOT_SUPPORTED
+
+# Torch (and the OpenMP runtime it loads) is imported only once ``main`` has chosen OpenMP's
+# settings: see ``hitchllm.cpu_threads``.
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+def add_engine_args(
+    parser: argparse.ArgumentParser, model_default: str | None = default_model_path()
+) -> None:
     """Flags that become ``EngineConfig`` fields."""
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=default_model_path(),
+    g.add_argument("--model", default=model_default,
                    help="checkpoint directory (default: the bundled code model)")
     g.add_argument("--tokenizer", help="tokenizer directory (default: the model's)")
     g.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
@@ -39,15 +43,27 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    default=None, help="CUDA: run norms, rotary and activations unfused")
     g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                    default=None, help="wait for each step's tokens before scheduling the next")
+    # vLLM's flags for what hitchllm does not implement yet: accepted so that EngineConfig
+    # refuses them by name (or ignores a no-op value) instead of argparse calling them unknown.
+    for name, (no_op, _) in VLLM_ARGS_NOT_SUPPORTED.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(no_op, bool):
+            g.add_argument(flag, action="store_true", default=None, help=argparse.SUPPRESS)
+        else:
+            kind = type(no_op) if isinstance(no_op, (int, float)) else str
+            g.add_argument(flag, type=kind, help=argparse.SUPPRESS)
+
+
+ENGINE_FLAGS = ["tokenizer", "dtype", "device", "attention_backend", "block_size",
+                "num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization", "max_model_len",
+                "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
+                "scheduling_policy", "seed", "enforce_eager", "enable_fusion",
+                "async_scheduling", *VLLM_ARGS_NOT_SUPPORTED]
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The ``EngineConfig`` fields given on the command line (unset ones left out)."""
-    names = ["tokenizer", "dtype", "device", "attention_backend", "block_size", "num_kv_blocks",
-             "kv_cache_memory", "gpu_memory_utilization", "max_model_len", "max_num_seqs",
-             "max_num_batched_tokens", "enable_prefix_caching", "scheduling_policy", "seed",
-             "enforce_eager", "enable_fusion", "async_scheduling"]
-    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    return {n: getattr(args, n) for n in ENGINE_FLAGS if getattr(args, n) is not None}
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -83,30 +99,49 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from hitchllm.entrypoints.llm import LLM
+    from hitchllm.entrypoints.token_stream import print_stream, stream_request
 
     params = sampling_params(args)
     llm = LLM(args.model, **engine_kwargs(args))
     prompts = args.prompt or [sys.stdin.read()]
-    for out in llm.generate(prompts, params, use_tqdm=len(prompts) > 1):
+    if len(prompts) == 1 and params.n == 1:  # one sequence: print its tokens as they come
+        sys.stdout.write(prompts[0])
+        out = print_stream(stream_request(llm.engine, prompts[0], params), params, sys.stdout)
+        print()
+        print_logprobs(llm, out.outputs[0])
+        return 0
+    for out in llm.generate(prompts, params, use_tqdm=sys.stderr.isatty()):
         for seq in out.outputs:
-            if len(prompts) > 1 or len(out.outputs) > 1:
-                print(f"--- prompt {out.request_id}, sequence {seq.index} "
-                      f"(finish_reason={seq.finish_reason})")
+            print(f"--- prompt {out.request_id}, sequence {seq.index} "
+                  f"(finish_reason={seq.finish_reason})")
             print(f"{out.prompt or ''}{seq.text}")
-            if seq.logprobs is not None:
-                tok = llm.get_tokenizer()
-                for token_id, entry in zip(seq.token_ids, seq.logprobs):
-                    top = ", ".join(f"{tok.decode([t])!r}:{lp.logprob:.3f}"
-                                    for t, lp in entry.items())
-                    print(f"  {tok.decode([token_id])!r} -> {top}")
+            print_logprobs(llm, seq)
     return 0
 
 
+def print_logprobs(llm: Any, seq: Any) -> None:
+    """Each generated token with its top-N logprobs, when ``--logprobs`` asked for them."""
+    if seq.logprobs is None:
+        return
+    tok = llm.get_tokenizer()
+    for token_id, entry in zip(seq.token_ids, seq.logprobs):
+        top = ", ".join(f"{tok.decode([t])!r}:{lp.logprob:.3f}" for t, lp in entry.items())
+        print(f"  {tok.decode([token_id])!r} -> {top}")
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
-    from hitchllm.entrypoints.llm import LLM
+    from hitchllm.entrypoints.chat_history import fit_conversation, reply_room
+    from hitchllm.entrypoints.llm import LLM, chat_prompt_token_ids
+    from hitchllm.entrypoints.token_stream import print_stream, stream_request
 
     params = sampling_params(args)
     llm = LLM(args.model, **engine_kwargs(args))
+    limit = llm.engine.max_model_len
+    budget = limit - reply_room(params.max_tokens, limit)
+
+    def count_tokens(conversation: list[dict[str, str]]) -> int:
+        return len(chat_prompt_token_ids(llm.get_tokenizer(), conversation))
+
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
@@ -119,10 +154,38 @@ def cmd_chat(args: argparse.Namespace) -> int:
             return 0
         if not line.strip():
             continue
-        messages.append({"role": "user", "content": line.rstrip("\n")})
-        reply = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
-        messages.append({"role": "assistant", "content": reply})
-        print(reply, flush=True)
+        try:
+            kept, dropped = fit_conversation(
+                [*messages, {"role": "user", "content": line.rstrip("\n")}], count_tokens, budget)
+        except ValueError as exc:  # this message alone is too long: skip it, keep chatting
+            print(f"error: {exc}", file=sys.stderr)
+            continue
+        if dropped:
+            print(f"note: dropped the {dropped} oldest message(s) to stay within "
+                  f"max_model_len={limit}", file=sys.stderr)
+        ids = chat_prompt_token_ids(llm.get_tokenizer(), kept)
+        out = print_stream(stream_request(llm.engine, {"prompt_token_ids": ids}, params),
+                           params, sys.stdout)
+        print(flush=True)
+        messages = [*kept, {"role": "assistant", "content": out.outputs[0].text}]
+
+
+def served_model(args: argparse.Namespace) -> tuple[str, list[str]]:
+    """``hitchllm serve``'s checkpoint and the names clients use for it.
+
+    The model comes as ``MODEL`` (like ``vllm serve MODEL``) or ``--model``; clients name it as
+    it was given, vLLM's convention, unless ``--served-model-name`` says otherwise. The bundled
+    model, served when none is given, answers to ``hitchllm-default`` (reported first) and to
+    its path.
+    """
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ValueError(f"the model is given twice, as {args.model_tag!r} and as --model "
+                         f"{args.model!r}; give it once")
+    model = args.model_tag or args.model
+    if model:
+        return model, args.served_model_name or [model]
+    path = default_model_path()
+    return path, args.served_model_name or [DEFAULT_SERVED_MODEL_NAME, path]
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -130,9 +193,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from hitchllm.entrypoints.openai.api_server import serve
     from hitchllm.entrypoints.openai.server import ServerLimits
 
+    model, names = served_model(args)
     serve(
-        EngineConfig(model=args.model, **engine_kwargs(args)),
-        host=args.host, port=args.port, served_model_name=args.served_model_name,
+        EngineConfig(model=model, **engine_kwargs(args)),
+        host=args.host, port=args.port, served_model_name=names,
         api_key=args.api_key, chat_template=args.chat_template,
         limits=ServerLimits(max_n=args.max_n, max_request_bytes=args.max_request_bytes),
     )
@@ -140,6 +204,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_backends(args: argparse.Namespace) -> int:
+    from hitchllm.entrypoints.backends_table import print_backends
+
     return print_backends(args.model, args.device, args.dtype, args.block_size)
 
 
@@ -152,6 +218,8 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from hitchllm.entrypoints import bench_perplexity, bench_serve, bench_throughput
+
     parser = argparse.ArgumentParser(prog="hitchllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -168,10 +236,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
-    add_engine_args(p)
+    p.add_argument("model_tag", nargs="?", metavar="MODEL",
+                   help="checkpoint directory, as --model (default: the bundled code model)")
+    add_engine_args(p, model_default=None)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", nargs="+", help="model name(s) clients use")
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="model name(s) clients use (default: MODEL as given; for the bundled "
+                        f"model {DEFAULT_SERVED_MODEL_NAME} and its path)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--chat-template", help="Jinja chat template file (overrides the model's)")
     p.add_argument("--max-n", type=int, default=128,
@@ -210,14 +282,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from hitchllm.cpu_threads import default_omp_wait_policy
+
+    default_omp_wait_policy()  # before anything imports torch
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     args.argv = argv  # benchmarks record the command that produced their numbers
     try:
         return args.func(args)
     except ValueError as exc:  # configuration and request errors: say what to change
-        print(f"error: {exc}", file=sys.stderr)
+        for line in str(exc).splitlines():
+            print(f"error: {line}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a missing file or directory: one line, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C: streamed requests are already aborted
+        print(file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -22,8 +22,10 @@ class LLM:
 
     Keyword arguments are ``EngineConfig`` fields (``dtype``, ``device``, ``attention_backend``,
     ``block_size``, ``num_kv_blocks``, ``kv_cache_memory``, ``max_model_len``, ``max_num_seqs``,
-    ``max_num_batched_tokens``, ``enable_prefix_caching``, ``seed``, ...). An invalid value
-    raises ``pydantic.ValidationError`` (a ``ValueError``) naming the field.
+    ``max_num_batched_tokens``, ``enable_prefix_caching``, ``seed``, ...). Invalid values
+    raise ``EngineConfigError`` (a ``ValueError``), one line per field; vLLM arguments hitchllm
+    does not implement yet (``tensor_parallel_size=2``, ``enable_lora=True``, ...) are refused
+    by name.
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
@@ -85,18 +87,11 @@ class LLM:
         conversations.
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        tokenizer = self.engine.tokenizer
-        if chat_template is None and not getattr(tokenizer, "chat_template", None):
-            raise ValueError(
-                "the tokenizer has no chat template; pass chat_template= (a Jinja template)"
-            )
-        prompts = []
-        for conversation in conversations:
-            ids = tokenizer.apply_chat_template(
-                conversation, chat_template=chat_template, tokenize=True,
-                add_generation_prompt=add_generation_prompt, return_dict=True,
-            )["input_ids"]
-            prompts.append({"prompt_token_ids": list(ids)})
+        prompts: list[Prompt] = [
+            {"prompt_token_ids": chat_prompt_token_ids(
+                self.engine.tokenizer, conversation, chat_template, add_generation_prompt)}
+            for conversation in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
@@ -116,3 +111,22 @@ class LLM:
         finally:
             bar.close()
         return [results[rid] for rid in ids]
+
+
+def chat_prompt_token_ids(
+    tokenizer: Any,
+    conversation: list[dict[str, str]],
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """The prompt token ids of one conversation under the tokenizer's chat template (or
+    ``chat_template``)."""
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "the tokenizer has no chat template; pass chat_template= (a Jinja template)"
+        )
+    ids = tokenizer.apply_chat_template(
+        conversation, chat_template=chat_template, tokenize=True,
+        add_generation_prompt=add_generation_prompt, return_dict=True,
+    )["input_ids"]
+    return list(ids)

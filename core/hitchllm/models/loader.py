@@ -32,7 +32,10 @@ def safetensors_files(path: Path) -> list[Path]:
         return [path / name for name in sorted(set(weight_map.values()))]
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors weights found in {path}")
+        raise FileNotFoundError(
+            f"no *.safetensors weights in {path}; hitchllm loads Hugging Face checkpoints in "
+            "safetensors format"
+        )
     return files
 
 
