@@ -29,9 +29,9 @@ except ImportError:
     import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from server_process import running_server, scrape  # noqa: E402
+from server_process import running_server, scrape
 
-from hitchllm.tiny_model import build_tiny_checkpoint  # noqa: E402
+from hitchllm.tiny_model import build_tiny_checkpoint
 
 MODEL = "tiny"
 MAX_BYTES = 1_000_000

@@ -307,3 +307,13 @@ def test_fuzzed_completion_bodies_never_get_a_5xx(app_engine, fields):
     r = http.post("/v1/completions", json=body)
     assert r.status_code < 500, (body, r.text)
     assert async_engine.dead_reason is None
+
+
+def test_metrics_expose_no_filesystem_path(llama_path):
+    with running_server([llama_path, "--max-model-len", "128"]) as url:  # vllm serve's form
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as r:
+            assert [m["id"] for m in json.loads(r.read())["data"]] == [llama_path]
+        with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    assert llama_path not in text
+    assert 'model_name="' in text

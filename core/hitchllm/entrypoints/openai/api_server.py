@@ -46,7 +46,8 @@ def serve(
     template = Path(chat_template).read_text() if chat_template else None
     names = served_model_name or [engine_config.model]
     engine = LLMEngine(engine_config)
-    metrics = ServerMetrics(names[0])
+    # /metrics is open to scrapers: a name that is a local path is labelled by its last part.
+    metrics = ServerMetrics(Path(names[0]).name if Path(names[0]).exists() else names[0])
     server: uvicorn.Server | None = None
 
     def on_dead(_: BaseException) -> None:
