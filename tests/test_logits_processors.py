@@ -6,8 +6,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import openai
 import pytest
 from fake_dists import install_fake_plugin
+from server_process import running_server
 from test_speculative import PROPOSERS
 
 from hitchllm import LLM, SamplingParams
@@ -171,7 +173,8 @@ def test_token_ids_outside_the_vocabulary_are_rejected(llm):
         field = next(iter(kwargs))
         with pytest.raises(ValueError, match=f"{field}.*outside the model's vocabulary"):
             llm.generate([PROMPT], SamplingParams(**kwargs), use_tqdm=False)
-    assert not llm.engine.has_unfinished_requests()
+    assert len(llm.generate([PROMPT], SamplingParams(max_tokens=2, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0].token_ids) == 2
 
 
 def test_processors_apply_to_every_speculative_row(llama_path, tmp_path, monkeypatch):
@@ -188,3 +191,31 @@ def test_processors_apply_to_every_speculative_row(llama_path, tmp_path, monkeyp
     # "repeat" drafts the last token again: some drafts are accepted, some rejected.
     spec = LLM(llama_path, block_size=4, speculative_method="repeat", num_speculative_tokens=3)
     assert spec.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids == expected
+
+
+def test_server_takes_openai_logit_bias_and_vllm_extra_fields(llama_path, llm):
+    args = ["--model", llama_path, "--served-model-name", "tiny", "--block-size", "4",
+            "--max-model-len", "256"]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    first = llm.generate([PROMPT], greedy, use_tqdm=False)[0].outputs[0].token_ids[0]
+    allowed = [11, 12, 13]
+    with running_server(args) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+
+        def complete(**kwargs):
+            return client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6,
+                                             temperature=0, **kwargs).choices[0]
+
+        # OpenAI sends logit_bias keys as strings.
+        biased = complete(logit_bias={str(first): -100}, extra_body={"ignore_eos": True})
+        expected = llm.generate([PROMPT], SamplingParams(
+            temperature=0, max_tokens=6, ignore_eos=True, logit_bias={first: -100}),
+            use_tqdm=False)[0].outputs[0]
+        assert biased.text == expected.text
+        restricted = complete(extra_body={"allowed_token_ids": allowed, "ignore_eos": True,
+                                          "bad_words": ["def"]})
+        assert set(llm.get_tokenizer().encode(restricted.text)) <= set(allowed)
+        for body in ({"logit_bias": {"x": 1}}, {"logit_bias": {"5": 300}},
+                     {"extra_body": {"allowed_token_ids": [10**9]}}):
+            with pytest.raises(openai.BadRequestError):
+                complete(**body)
