@@ -11,6 +11,7 @@ only allowed tokens are the end-of-sequence ids, so the request stops with ``"st
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +55,9 @@ class StructuredOutputProcessor(LogitsProcessor):
     provides = ("structured_outputs",)
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        if sys.byteorder != "little":
+            raise RuntimeError("hitchllm-structured-output unpacks token bitmasks as "
+                               "little-endian bytes; this host is big-endian")
         self.grammars = GrammarCache(tokenizer, vocab_size, eos_token_ids)
         self.eos_token_ids = list(eos_token_ids)
         self._requests: dict[str, _RequestGrammar] = {}
@@ -130,15 +134,16 @@ class StructuredOutputProcessor(LogitsProcessor):
         self, bitmask: torch.Tensor, row_indices: list[int], vocab_size: int,
         device: torch.device,
     ) -> LogitsEdit:
-        mask = host_to_device(bitmask, device)
+        # Unpacked byte-wise (one byte per token, not four). On a little-endian host (x86,
+        # ARM), bit b of byte k of word w allows token 32 * w + 8 * k + b.
+        mask = host_to_device(bitmask, device).view(torch.uint8)
         rows = host_to_device(torch.tensor(row_indices, dtype=torch.int64), device)
         shifts = self._shifts.get(device)
         if shifts is None:
-            shifts = torch.arange(32, dtype=torch.int32, device=device)
+            shifts = torch.arange(8, dtype=torch.uint8, device=device)
             self._shifts[device] = shifts
 
         def edit(logits: torch.Tensor) -> torch.Tensor:
-            # Bit b of word w allows token 32 * w + b (arithmetic shifts keep bit 31 right).
             bits = (mask[:, :, None] >> shifts) & 1
             allowed_rows = bits.reshape(len(row_indices), -1)[:, :vocab_size].bool()
             allowed = torch.ones_like(logits, dtype=torch.bool)
