@@ -81,15 +81,16 @@ class GrammarCache:
                     eos_token=self._eos_token_ids or None)
             return self._ll_tokenizer
 
-    def matcher(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
-        """A fresh matcher for ``spec`` (compiled now unless cached); ``ValueError`` for a
-        constraint llguidance rejects, with its message."""
+    def compiled(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
+        """The compiled matcher for ``spec`` (compiled now unless cached): a template that
+        stays at the start, so take a ``deep_copy()`` (cheap) to follow an output.
+        ``ValueError`` for a constraint llguidance rejects, with its message."""
         key = cache_key(spec)
         with self._lock:
             compiled = self._compiled.get(key)
             if compiled is not None:
                 self._compiled.move_to_end(key)
-                return compiled.deep_copy()
+                return compiled
         # Compile outside the lock: two threads may compile the same spec, which is harmless.
         compiled = llguidance.LLMatcher(self.tokenizer(), grammar_text(spec), log_level=0)
         if compiled.is_error():
@@ -100,4 +101,4 @@ class GrammarCache:
             self._compiled[key] = compiled
             while len(self._compiled) > self._capacity:
                 self._compiled.popitem(last=False)
-        return compiled.deep_copy()
+        return compiled

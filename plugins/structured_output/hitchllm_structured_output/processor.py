@@ -20,8 +20,8 @@ import llguidance
 import llguidance.torch
 import torch
 
+from hitchllm import SamplingParams
 from hitchllm.logits_processor import LogitsEdit, LogitsProcessor, LogitsRow, host_to_device
-from hitchllm.sampling_params import SamplingParams
 from hitchllm_structured_output.grammar import GrammarCache
 
 logger = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class StructuredOutputProcessor(LogitsProcessor):
                 "with the end-of-sequence token; drop ignore_eos (max_tokens still applies)."
             )
         assert params.structured_outputs is not None
-        self.grammars.matcher(params.structured_outputs)
+        self.grammars.compiled(params.structured_outputs)
 
     def remove_requests(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
@@ -106,7 +106,8 @@ class StructuredOutputProcessor(LogitsProcessor):
         state = self._requests.get(row.request_id)
         if state is None:
             assert row.params.structured_outputs is not None
-            state = _RequestGrammar(self.grammars.matcher(row.params.structured_outputs))
+            state = _RequestGrammar(self.grammars.compiled(row.params.structured_outputs)
+                                    .deep_copy())
             self._requests[row.request_id] = state
         return state
 
