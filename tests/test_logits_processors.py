@@ -219,3 +219,61 @@ def test_server_takes_openai_logit_bias_and_vllm_extra_fields(llama_path, llm):
                      {"extra_body": {"allowed_token_ids": [10**9]}}):
             with pytest.raises(openai.BadRequestError):
                 complete(**body)
+
+
+RECORDER = """
+import torch
+from hitchllm import hookimpl
+from hitchllm.logits_processor import LogitsProcessor, host_to_device
+
+TRIGGER_SEED = 12345
+CALLS = []      # (request_id, row index, output so far, num_draft_tokens) per prepared row
+REMOVED = []
+
+
+class Recorder(LogitsProcessor):
+    '''Used by requests with seed TRIGGER_SEED; forbids token 7 and records what it saw.'''
+
+    def is_used_by(self, params):
+        return params.seed == TRIGGER_SEED
+
+    def remove_requests(self, request_ids):
+        REMOVED.extend(request_ids)
+
+    def prepare(self, rows, vocab_size, device):
+        CALLS.extend((r.request_id, r.index, list(r.output_token_ids), r.num_draft_tokens)
+                     for r in rows)
+        index = host_to_device(torch.tensor([r.index for r in rows]), device)
+        return lambda logits: logits.index_fill(0, index, 0.0).index_put(
+            (index, torch.full_like(index, 7)), torch.tensor(float("-inf")))
+
+
+@hookimpl
+def hitchllm_logits_processors():
+    return [Recorder()]
+"""
+
+
+def test_a_plugin_processor_sees_exactly_its_rows(llama_path, tmp_path, monkeypatch):
+    install_fake_plugin(tmp_path / "site", monkeypatch, "hitchllm-fake-recorder", "0.1",
+                        "fake_recorder_plugin", RECORDER)
+    import fake_recorder_plugin as rec
+
+    llm = LLM(llama_path, block_size=4)
+    plain = SamplingParams(temperature=1.0, seed=1, max_tokens=8, ignore_eos=True)
+    llm.generate([PROMPT] * 3, plain, use_tqdm=False)
+    assert rec.CALLS == [], "a processor no request uses must not be called"
+
+    used = SamplingParams(temperature=1.0, seed=rec.TRIGGER_SEED, max_tokens=8,
+                          ignore_eos=True)
+    outs = llm.generate([PROMPT, "x"], [plain, used], use_tqdm=False)
+    mine = outs[1]
+    # The edit zeroes the row's logits and forbids token 7: a uniform draw over the rest.
+    assert 7 not in mine.outputs[0].token_ids
+    assert {c[0] for c in rec.CALLS} == {mine.request_id}
+    seen = [c[2] for c in rec.CALLS]
+    assert seen == [mine.outputs[0].token_ids[:i] for i in range(8)]
+    assert all(c[3] == 0 for c in rec.CALLS)
+    assert {c[1] for c in rec.CALLS} == {1}, "row 1: the second request of each step"
+    llm.generate([PROMPT], plain, use_tqdm=False)  # the next step releases finished requests
+    assert mine.request_id in rec.REMOVED
