@@ -180,6 +180,20 @@ def test_greedy_structured_output_is_unchanged_by_drafts(llama_path, tmp_path, m
 
 
 @needs_plugin
+def test_preempted_requests_keep_their_grammar_state(llama_path):
+    # 40 blocks of 4 tokens cannot hold 8 growing requests: some are preempted and recomputed.
+    llm = LLM(llama_path, block_size=4, num_kv_blocks=40, max_model_len=80)
+    spec = StructuredOutputsParams(json=SCHEMAS[0])
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=70, structured_outputs=spec)
+              for s in range(8)]
+    outs = llm.generate([PROMPT + " x" * 10] * 8, params, use_tqdm=False)
+    assert llm.engine.stats().num_preemptions > 0
+    for out in outs:
+        assert out.outputs[0].finish_reason == "stop"
+        validate(json.loads(out.outputs[0].text), SCHEMAS[0])
+
+
+@needs_plugin
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"structured_outputs": StructuredOutputsParams(regex="a(b")}, "regex is invalid"),
     ({"structured_outputs": StructuredOutputsParams(json="{not json")}, "not valid JSON"),
