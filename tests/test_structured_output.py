@@ -222,6 +222,17 @@ def test_without_the_plugin_the_error_says_what_to_install(llama_path, monkeypat
         llm.generate(["x"], params, use_tqdm=False)
 
 
+def test_a_plugin_that_failed_to_load_is_named(llama_path, tmp_path, monkeypatch):
+    install_fake_plugin(tmp_path / "site", monkeypatch, "hitchllm-structured-output", "0.0",
+                        "broken_structured_output", "import no_such_grammar_library\n",
+                        entry_point="structured_output_broken")
+    monkeypatch.setenv("HITCHLLM_PLUGINS", "structured_output_broken")  # not the real one
+    llm = LLM(llama_path, block_size=4, max_model_len=64)
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["a", "b"]))
+    with pytest.raises(ValueError, match="installed but failed to load"):
+        llm.generate(["x"], params, use_tqdm=False)
+
+
 # ---- the server, through the official openai client ----------------------------------------
 
 MODEL = "tiny"

@@ -328,6 +328,10 @@ class LLMEngine:
             if getattr(params, name) is not None and not any(
                 name in p.provides for p in self.logits_processors
             ):
+                if any(f.distribution == distribution for f in self.registry.failed):
+                    # The load error (logged at start-up) may name paths: not for clients.
+                    raise ValueError(f"{name} needs the plugin {distribution}, which is "
+                                     "installed but failed to load (the log says why)")
                 raise ValueError(
                     f"{name} needs the plugin {distribution}, which is not installed: "
                     f"pip install {distribution}"
