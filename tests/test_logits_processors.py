@@ -159,6 +159,8 @@ def test_banned_next_tokens_matches_a_naive_scan():
     ({"logit_bias": {"x": 1.0}}, "logit_bias"),
     ({"allowed_token_ids": []}, "allowed_token_ids"),
     ({"allowed_token_ids": [-3]}, "allowed_token_ids"),
+    ({"allowed_token_ids": ["a"]}, "allowed_token_ids"),
+    ({"logit_bias": {1: float("nan")}}, "logit_bias"),
     ({"bad_words": "word"}, "bad_words"),
     ({"bad_words": ["ok", " "]}, "bad_words"),
 ])

@@ -122,12 +122,12 @@ class SamplingParams:
                 raise ValueError(
                     "logit_bias keys must be token ids (integers) and values numbers."
                 ) from exc
-            wrong = {t: b for t, b in self.logit_bias.items()
-                     if t < 0 or not -100.0 <= b <= 100.0}
+            wrong = [(t, b) for t, b in self.logit_bias.items()
+                     if t < 0 or not -100.0 <= b <= 100.0]
             if wrong:
                 raise ValueError(
-                    f"logit_bias {wrong} is invalid: keys must be token ids >= 0 and biases "
-                    "numbers in [-100, 100]."
+                    f"logit_bias {dict(wrong[:5])} is invalid: keys must be token ids >= 0 "
+                    "and biases numbers in [-100, 100]."
                 )
         if self.allowed_token_ids is not None:
             if isinstance(self.allowed_token_ids, (str, bytes)) or not self.allowed_token_ids:
@@ -135,10 +135,16 @@ class SamplingParams:
                     "allowed_token_ids must be a non-empty list of token ids (leave it unset "
                     "to allow every token)."
                 )
-            self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
+            try:
+                self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
+            except (TypeError, ValueError) as exc:
+                raise ValueError(
+                    "allowed_token_ids must be a list of token ids (integers)."
+                ) from exc
             if min(self.allowed_token_ids) < 0:
                 raise ValueError(
-                    f"allowed_token_ids must be token ids >= 0, got {self.allowed_token_ids}."
+                    "allowed_token_ids must be token ids >= 0, got "
+                    f"{[t for t in self.allowed_token_ids if t < 0][:5]}."
                 )
         if self.bad_words is not None:
             if isinstance(self.bad_words, str):
@@ -147,6 +153,13 @@ class SamplingParams:
             if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
                 raise ValueError("bad_words must be a list of non-empty strings.")
         if isinstance(self.structured_outputs, dict):
+            unknown = set(self.structured_outputs) - {f.name for f in fields(
+                StructuredOutputsParams)}
+            if unknown:
+                raise ValueError(
+                    f"structured_outputs has unknown fields {sorted(unknown)}; use json, "
+                    "json_object, regex, choice or grammar."
+                )
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
             raise ValueError(
