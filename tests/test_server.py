@@ -128,7 +128,7 @@ def test_extra_sampling_fields_are_honoured(client):
     ({"top_p": 7.0}, "top_p"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"prompt": "x " * 400}, "max_model_len"),
-    ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"logit_bias": {"5": 300.0}}, "logit_bias"),
     ({"extra_body": {"stop_token_ids": [10**7]}}, "vocabulary"),
 ])
 def test_invalid_requests_get_400(client, kwargs, match):

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from hitchllm.bundled_model import default_model_path
 from hitchllm.outputs import CompletionOutput, Logprob, RequestOutput
 from hitchllm.plugins import hookimpl
-from hitchllm.sampling_params import SamplingParams
+from hitchllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from hitchllm.config import EngineConfig
@@ -28,6 +28,7 @@ __all__ = [
     "Logprob",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "__version__",
     "default_model_path",
     "hookimpl",

@@ -1,14 +1,19 @@
-"""The core's own plugin: the TORCH attention backend and the Llama-family models.
+"""The core's own plugin: the TORCH attention backend, the Llama-family models and the logits
+processors behind ``logit_bias``, ``allowed_token_ids`` and ``bad_words``.
 
 Registered through the same hooks as third-party plugins.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from hitchllm.attention.backend import AttentionBackend
 from hitchllm.attention.torch_backend import TorchAttentionBackend
+from hitchllm.engine.logits_processors import AllowedTokenIds, BadWords, LogitBias
+from hitchllm.logits_processor import LogitsProcessor
 from hitchllm.models.llama import LlamaForCausalLM
 from hitchllm.plugins import hookimpl
 
@@ -26,3 +31,8 @@ def hitchllm_model_architectures() -> dict[str, type[nn.Module]]:
         "Qwen2ForCausalLM": LlamaForCausalLM,
         "Qwen3ForCausalLM": LlamaForCausalLM,
     }
+
+
+@hookimpl
+def hitchllm_logits_processors(tokenizer: Any) -> list[LogitsProcessor]:
+    return [LogitBias(), AllowedTokenIds(), BadWords(tokenizer)]

@@ -12,7 +12,7 @@ through these same hooks, so built-ins and third-party plugins are treated alike
 Hooks are grouped by the engine's lifecycle:
 
 1. Discovery (when an engine is built or backends are listed): what a plugin provides.
-2. Model load (once per engine): after the weights are in place.
+2. Model load (once per engine): after the weights are in place, and the logits processors.
 3. Per request: identity that must enter prefix-cache keys.
 """
 
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
     from hitchllm.attention.backend import AttentionBackend
     from hitchllm.config import EngineConfig
+    from hitchllm.logits_processor import LogitsProcessor
     from hitchllm.request import Request
 
 hookspec = pluggy.HookspecMarker("hitchllm")
@@ -103,6 +104,28 @@ def hitchllm_model_loaded(model: torch.nn.Module, engine_config: EngineConfig) -
 
     Use it to wrap layers (e.g. the LoRA plugin replaces linear layers with adapter-aware ones).
     Changes are made in place; the return value is ignored.
+    """
+
+
+@hookspec
+def hitchllm_logits_processors(
+    engine_config: EngineConfig, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]
+) -> list[LogitsProcessor]:
+    """Return the logits processors this plugin provides for one engine.
+
+    Called once per engine, after the model is loaded. ``tokenizer`` is the engine's Hugging
+    Face tokenizer, ``vocab_size`` the width of the logits (the model's vocabulary, which may
+    exceed the tokenizer's), ``eos_token_ids`` the ids that end a sequence. Return instances
+    of ``hitchllm.logits_processor.LogitsProcessor``; build nothing expensive here (a grammar
+    library's tokenizer index, say) until a request uses the processor, because every engine
+    pays this hook whether or not a request ever does.
+
+    Each step, every processor that some request uses edits the logits of that request's rows
+    before the sampler applies min_tokens, penalties, temperature and the top-k / top-p / min-p
+    filters (reported logprobs stay the model's raw ones). The core's ``logit_bias``,
+    ``allowed_token_ids`` and ``bad_words`` are processors registered through this hook; the
+    structured-output plugin adds its grammar's token mask. See ``hitchllm.logits_processor``
+    for the contract (batched, no device reads, speculative rows).
     """
 
 

@@ -62,6 +62,9 @@ class Request:
     # What the caller passed as ``lora_request`` (interpreted by the LoRA plugin); its
     # ``lora_name`` enters every block hash so adapters never share cached blocks.
     lora_request: Any = None
+    # The logits processors (``hitchllm.logits_processor``) this request uses, chosen when it
+    # is added; empty for most requests, which then skip that step of sampling entirely.
+    logits_processors: list[Any] = field(default_factory=list)
 
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)

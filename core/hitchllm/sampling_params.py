@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 _GREEDY_EPS = 1e-5
 # The sampler computes in float32: a value must keep its meaning after the cast.
@@ -46,6 +47,16 @@ class SamplingParams:
     detokenize: bool = True
     # Keep only the last k prompt tokens (-1: the last max_model_len); None keeps them all.
     truncate_prompt_tokens: int | None = None
+    # Token id -> bias added to its logit before sampling (OpenAI's logit_bias, in [-100, 100]).
+    logit_bias: dict[int, float] | None = None
+    # Only these token ids may be sampled.
+    allowed_token_ids: list[int] | None = None
+    # Words whose token sequence may not be completed (each tokenized with and without a
+    # leading space; the last token is banned when the output ends with the ones before it).
+    bad_words: list[str] | None = None
+    # Constrain the output to a JSON schema, regex, choice or grammar (needs the plugin
+    # hitchllm-structured-output).
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by __post_init__ from ``stop``: always a list.
     stop_strings: list[str] = field(init=False, repr=False)
 
@@ -63,6 +74,7 @@ class SamplingParams:
         if self.top_k is None or self.top_k == -1:
             self.top_k = 0
         self._validate()
+        self._validate_logits_fields()
 
     def _validate(self) -> None:
         def bad(msg: str) -> None:
@@ -141,6 +153,60 @@ class SamplingParams:
                 f"(a 64-bit integer; with n={self.n}, seed + n - 1 must fit too), "
                 f"got {self.seed}.")
 
+    def _validate_logits_fields(self) -> None:
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError("logit_bias must be a dict of token id -> bias.")
+            try:
+                self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+            except (TypeError, ValueError) as exc:
+                raise ValueError(
+                    "logit_bias keys must be token ids (integers) and values numbers."
+                ) from exc
+            wrong = [(t, b) for t, b in self.logit_bias.items()
+                     if t < 0 or not -100.0 <= b <= 100.0]
+            if wrong:
+                raise ValueError(
+                    f"logit_bias {dict(wrong[:5])} is invalid: keys must be token ids >= 0 "
+                    "and biases numbers in [-100, 100]."
+                )
+        if self.allowed_token_ids is not None:
+            if isinstance(self.allowed_token_ids, (str, bytes)) or not self.allowed_token_ids:
+                raise ValueError(
+                    "allowed_token_ids must be a non-empty list of token ids (leave it unset "
+                    "to allow every token)."
+                )
+            try:
+                self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
+            except (TypeError, ValueError) as exc:
+                raise ValueError(
+                    "allowed_token_ids must be a list of token ids (integers)."
+                ) from exc
+            if min(self.allowed_token_ids) < 0:
+                raise ValueError(
+                    "allowed_token_ids must be token ids >= 0, got "
+                    f"{[t for t in self.allowed_token_ids if t < 0][:5]}."
+                )
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str):
+                raise ValueError("bad_words must be a list of strings, not one string.")
+            self.bad_words = list(self.bad_words)
+            if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+                raise ValueError("bad_words must be a list of non-empty strings.")
+        if isinstance(self.structured_outputs, dict):
+            unknown = set(self.structured_outputs) - {f.name for f in fields(
+                StructuredOutputsParams)}
+            if unknown:
+                raise ValueError(
+                    f"structured_outputs has unknown fields {sorted(unknown)}; use json, "
+                    "json_object, regex, choice or grammar."
+                )
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
+            raise ValueError(
+                "structured_outputs must be a StructuredOutputsParams (or a dict of its fields)."
+            )
+
     @property
     def uses_penalties(self) -> bool:
         """True when a presence, frequency or repetition penalty is set."""
@@ -165,3 +231,48 @@ class SamplingParams:
             if value is not None and value > vocab_size:
                 raise ValueError(f"{name}={value} asks for more tokens than the vocabulary "
                                  f"holds; use at most {vocab_size}.")
+        for name, ids in (("logit_bias", self.logit_bias or {}),
+                          ("allowed_token_ids", self.allowed_token_ids or [])):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ValueError(
+                    f"{name} has token ids {bad[:5]} outside the model's vocabulary "
+                    f"(valid ids are 0..{vocab_size - 1})."
+                )
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What the output must match; exactly one field is set (vLLM's ``StructuredOutputsParams``).
+
+    ``json``: a JSON schema (a dict or its JSON text); ``json_object``: any JSON object;
+    ``regex``: a regular expression the whole output matches; ``choice``: the output is one of
+    these strings; ``grammar``: a context-free grammar (Lark syntax, or GBNF when it uses
+    ``::=``). Enforced by the plugin hitchllm-structured-output.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs needs exactly one of json, json_object, regex, choice, "
+                f"grammar; got {', '.join(given) or 'none'}."
+            )
+        if self.choice is not None and (isinstance(self.choice, str) or not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings.")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string.")
+
+    @property
+    def kind(self) -> str:
+        """The name of the field that is set (``"json"``, ``"regex"``, ...)."""
+        return next(f.name for f in fields(self) if getattr(self, f.name) not in (None, False))

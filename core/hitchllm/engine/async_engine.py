@@ -111,6 +111,10 @@ class AsyncLLMEngine:
         if (reason := self.dead_reason) is not None:
             raise EngineDeadError(reason)
         request_id = request_id or f"req-{next(self._ids)}"
+        if self.engine.logits_processors_for(params):
+            # Grammar compilation and the like run here, off the engine loop; the loop's own
+            # call in add_request then finds them cached and other requests never wait.
+            await asyncio.to_thread(self.engine.compile_logits_processors, params)
         stream = _RequestStream(asyncio.get_running_loop())
         self._commands.put(_Add(prompt, params, request_id, kwargs, stream))
         finished = False

@@ -20,6 +20,7 @@ from hitchllm.engine.output_processor import OutputProcessor
 from hitchllm.engine.runner_output import PendingOutput
 from hitchllm.kv_cache.manager import KVCacheManager
 from hitchllm.logger import init_logging
+from hitchllm.logits_processor import LogitsProcessor
 from hitchllm.models import fused
 from hitchllm.models.loader import load_model
 from hitchllm.outputs import RequestOutput
@@ -40,6 +41,8 @@ _DEVICE_ERRORS: tuple[type[BaseException], ...] = tuple(
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 4 * 2**30
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+# SamplingParams fields that only a plugin's logits processor implements -> that plugin.
+PLUGIN_SAMPLING_FIELDS = {"structured_outputs": "hitchllm-structured-output"}
 
 Prompt = str | dict[str, Any]
 
@@ -105,12 +108,20 @@ class LLMEngine:
         model = load_model(mc, self.registry, self.device, self.dtype, config.quantization)
         self.registry.hook.hitchllm_model_loaded(model=model, engine_config=config)
         max_num_tokens = config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        self.logits_processors: list[LogitsProcessor] = [
+            processor
+            for result in self.registry.hook.hitchllm_logits_processors(
+                engine_config=config, tokenizer=self.tokenizer, vocab_size=mc.vocab_size,
+                eos_token_ids=self.eos_token_ids)
+            for processor in result or []
+        ]
         self.runner = ModelRunner(
             model, self.attention_backend, spec, config.max_num_seqs, max_num_tokens,
             self.max_model_len, mc.vocab_size, self.device, config.seed,
             before_forward=self.registry.hook.hitchllm_before_forward,
             cuda_graph_sizes=config.cuda_graph_sizes
             or default_capture_sizes(min(config.max_num_seqs, max_num_tokens)),
+            logits_processors=self.logits_processors,
         )
         self.num_kv_blocks = self._num_kv_blocks(memory_at_start)
         self.runner.initialize_kv_cache(self.num_kv_blocks)
@@ -267,6 +278,8 @@ class LLMEngine:
         text, token_ids = self.tokenize(prompt)
         token_ids = self._truncate_prompt(token_ids, params)
         self._validate(token_ids, params)
+        processors = self.logits_processors_for(params)
+        self.compile_logits_processors(params, processors)
         children = []
         for i in range(params.n):
             child_params = params
@@ -282,6 +295,7 @@ class LLMEngine:
                 cache_salt=cache_salt,
                 prefix_share_key=request_id if params.n > 1 else None,
                 lora_request=lora_request,
+                logits_processors=processors,
             ))
         for child in children:
             self.registry.hook.hitchllm_request_added(request=child, engine_config=self.config)
@@ -338,6 +352,32 @@ class LLMEngine:
                 f"but the whole KV cache holds {self.kv_capacity_tokens}; lower max_tokens or "
                 "give the cache more memory (kv_cache_memory / num_kv_blocks)"
             )
+
+    def logits_processors_for(self, params: SamplingParams) -> list[LogitsProcessor]:
+        """The logits processors a request with ``params`` uses; ``ValueError`` when it sets
+        a field that only a plugin implements and that plugin is not installed."""
+        for name, distribution in PLUGIN_SAMPLING_FIELDS.items():
+            if getattr(params, name) is not None and not any(
+                name in p.provides for p in self.logits_processors
+            ):
+                if any(f.distribution == distribution for f in self.registry.failed):
+                    # The load error (logged at start-up) may name paths: not for clients.
+                    raise ValueError(f"{name} needs the plugin {distribution}, which is "
+                                     "installed but failed to load (the log says why)")
+                raise ValueError(
+                    f"{name} needs the plugin {distribution}, which is not installed: "
+                    f"pip install {distribution}"
+                )
+        return [p for p in self.logits_processors if p.is_used_by(params)]
+
+    def compile_logits_processors(
+        self, params: SamplingParams, processors: list[LogitsProcessor] | None = None
+    ) -> None:
+        """Let the processors check ``params`` and do their slow preparation (compile a
+        grammar). Thread-safe: ``AsyncLLMEngine`` calls it in a worker thread so that
+        ``add_request`` on the engine loop finds the work done; raises ``ValueError``."""
+        for processor in self.logits_processors_for(params) if processors is None else processors:
+            processor.compile(params)
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Stop requests now and free their KV blocks; returns their final outputs."""
@@ -447,10 +487,11 @@ class LLMEngine:
 
     def _may_overlap(self, sched: SchedulerOutput) -> bool:
         """Whether ``sched`` may launch before the step in flight completes: not when a
-        request's sampling depends on output tokens the host has not seen (penalties, and
-        min_tokens still counting)."""
+        request's sampling depends on output tokens the host has not seen (penalties,
+        min_tokens still counting, and logits processors such as a grammar or bad words)."""
         return not any(r.sampling_params.uses_penalties
                        or r.num_output_tokens < r.sampling_params.min_tokens
+                       or any(p.needs_output_tokens for p in r.logits_processors)
                        for r in sched.requests)
 
     def _complete(self, sched: SchedulerOutput, pending: PendingOutput) -> list[RequestOutput]:

@@ -25,6 +25,7 @@ from hitchllm.engine.runner_output import PendingOutput, RunnerOutput
 from hitchllm.engine.sampler import Sampler
 from hitchllm.engine.sampling_metadata import build_sampling_metadata
 from hitchllm.engine.step_buffers import StepBuffers
+from hitchllm.logits_processor import LogitsEdit, LogitsProcessor, LogitsRow
 from hitchllm.request import Request
 from hitchllm.sampling_params import SamplingParams
 from hitchllm.scheduler.scheduler import SchedulerOutput
@@ -51,8 +52,10 @@ class ModelRunner:
         seed: int,
         before_forward: Callable[..., Any] | None = None,
         cuda_graph_sizes: list[int] | None = None,
+        logits_processors: list[LogitsProcessor] | None = None,
     ) -> None:
         self.model = model
+        self.logits_processors = logits_processors or []
         self.backend = backend
         self.spec = spec
         self.device = device
@@ -195,6 +198,9 @@ class ModelRunner:
             self.input_batch.release(rid)
         for rid in sched.finished_ids:
             self._generators.pop(rid, None)
+        if sched.finished_ids:
+            for processor in self.logits_processors:
+                processor.remove_requests(sched.finished_ids)
         if sched.is_empty:
             return PendingOutput()
 
@@ -387,6 +393,7 @@ class ModelRunner:
             vocab_size=self.vocab_size,
             device=self.device,
         )
+        metadata.logits_edits = self._logits_edits(logit_rows)
         result = self.sampler(logits, metadata)
         sampled = result.sampled_token_ids
         if self._sample_rows is not None:  # keep each row's token for a next step's input
@@ -400,6 +407,19 @@ class ModelRunner:
         ready = torch.cuda.Event()
         ready.record()
         return PendingOutput(sampling, host, ready, result.logprobs)
+
+    def _logits_edits(self, logit_rows: list[tuple[Request, list[int]]]) -> list[LogitsEdit]:
+        """Each used logits processor's edit for its rows (none when no request uses one)."""
+        if not any(r.logits_processors for r, _ in logit_rows):
+            return []
+        rows: dict[LogitsProcessor, list[LogitsRow]] = {}
+        for i, (r, drafts) in enumerate(logit_rows):
+            for processor in r.logits_processors:
+                rows.setdefault(processor, []).append(LogitsRow(
+                    index=i, request_id=r.request_id, params=r.sampling_params,
+                    output_token_ids=r.output_token_ids + drafts if drafts else r.output_token_ids,
+                    num_draft_tokens=len(drafts)))
+        return [p.prepare(p_rows, self.vocab_size, self.device) for p, p_rows in rows.items()]
 
     def _generator_for(self, request: Request) -> torch.Generator | None:
         seed = request.sampling_params.seed

@@ -6,7 +6,9 @@ a. Logits are cast to float32.
 b. Raw logprobs: ``log_softmax`` of the unprocessed logits, computed only when some row asked
    for logprobs. Reported logprobs describe the model's distribution, not the one sampled from
    (vLLM's default "raw" mode).
-c. min_tokens: ids in ``stop_token_mask_rows`` get logit -inf.
+c. Logits processors (``hitchllm.logits_processor``): logit_bias, allowed_token_ids,
+   bad_words and plugins' edits such as a grammar's token mask, in ``metadata.logits_edits``
+   order. Then min_tokens: ids in ``stop_token_mask_rows`` get logit -inf.
 d. Penalties: repetition first (a token seen in the prompt or the output has a positive logit
    divided by the penalty, a negative one multiplied), then frequency (minus
    ``frequency * count in output``) and presence (minus ``presence * [count in output > 0]``).
@@ -200,6 +202,8 @@ class Sampler(torch.nn.Module):
         if metadata.max_num_logprobs is not None:
             raw_logprobs = logits.log_softmax(dim=-1)
 
+        for edit in metadata.logits_edits:
+            logits = edit(logits)
         if metadata.stop_token_mask_rows is not None:
             logits = apply_min_tokens(logits, metadata.stop_token_mask_rows)
         if not metadata.no_penalties:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hitchllm.logits_processor import LogitsEdit
 from hitchllm.sampling_params import SamplingParams
 
 
@@ -51,6 +52,9 @@ class SamplingMetadata:
     stop_token_mask_rows: torch.Tensor | None = None
     # Largest ``logprobs`` any row asked for; None when no row asked.
     max_num_logprobs: int | None = None
+    # Edits from logits processors (logit_bias, allowed ids, bad words, grammar masks),
+    # applied in order before min_tokens and penalties; empty when no row uses any.
+    logits_edits: list[LogitsEdit] = field(default_factory=list)
 
     @property
     def no_penalties(self) -> bool:

@@ -9,7 +9,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from hitchllm.sampling_params import SamplingParams
+from hitchllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+# vLLM's legacy extra-body aliases -> the StructuredOutputsParams field each one sets.
+_GUIDED_ALIASES = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                   "guided_grammar": "grammar"}
 
 
 class StreamOptions(BaseModel):
@@ -50,13 +54,57 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # Output constraints (enforced by the plugin hitchllm-structured-output): OpenAI's
+    # response_format, vLLM's structured_outputs and its legacy guided_* fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def unsupported(self) -> list[str]:
         """Fields set to something this server does not implement."""
-        bad = sorted(set(self.model_extra or {}) - _IGNORED_FIELDS)
-        if self.logit_bias:
-            bad.append("logit_bias")
-        return bad
+        return sorted(set(self.model_extra or {}) - _IGNORED_FIELDS)
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The output constraint, from whichever one field gives it; ``ValueError`` naming
+        the field when it is malformed or when several fields give one."""
+        given: dict[str, dict[str, Any]] = {}
+        kind = (self.response_format or {}).get("type", "text")
+        if kind == "json_object":
+            given["response_format"] = {"json_object": True}
+        elif kind == "json_schema":
+            schema = ((self.response_format or {}).get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise ValueError("response_format.json_schema.schema must be a JSON schema "
+                                 "object")
+            given["response_format"] = {"json": schema}
+        elif kind != "text":
+            raise ValueError(f"response_format type {kind!r} is not supported; use text, "
+                             "json_object or json_schema")
+        if self.structured_outputs:
+            given["structured_outputs"] = dict(self.structured_outputs)
+        for alias, field in _GUIDED_ALIASES.items():
+            if getattr(self, alias) is not None:
+                given[alias] = {field: getattr(self, alias)}
+        if not given:
+            return None
+        if len(given) > 1:
+            raise ValueError(f"{next(iter(given))} and {', '.join(list(given)[1:])} each "
+                             "constrain the output; give only one")
+        [(name, fields)] = given.items()
+        unknown = sorted(set(fields) - set(StructuredOutputsParams.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"{name} has fields this server does not support: "
+                             f"{', '.join(unknown)} (use json, json_object, regex, choice or "
+                             "grammar)")
+        try:
+            return StructuredOutputsParams(**fields)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from exc
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's parameters; raises ``ValueError`` for out-of-range values."""
@@ -80,6 +128,10 @@ class _SamplingFields(BaseModel):
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            structured_outputs=self.structured_outputs_params(),
         )
 
 
@@ -162,7 +214,6 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
     functions: list[Any] | None = None
     add_generation_prompt: bool = True
 
@@ -173,8 +224,6 @@ class ChatCompletionRequest(_SamplingFields):
                 bad.append(name)
         if self.tool_choice not in (None, "none"):
             bad.append("tool_choice")
-        if self.response_format and self.response_format.get("type") != "text":
-            bad.append("response_format")
         return bad
 
     def num_logprobs(self) -> int | None:
