@@ -125,7 +125,8 @@ async def storm(base: str, rounds: int, seed: int) -> collections.Counter:
             jobs.append(send(http, "n over limit", "/v1/completions",
                              b'{"model": "tiny", "prompt": "a", "n": 100000}', outcomes))
             jobs.append(send(http, "unknown field", "/v1/completions",
-                             b'{"model": "tiny", "prompt": "a", "use_beam_search": true}', outcomes))
+                             b'{"model": "tiny", "prompt": "a", "use_beam_search": true}',
+                             outcomes))
             jobs.append(send(http, "broken JSON", "/v1/completions", b'{"model": "tiny", ',
                              outcomes))
             for i in range(4):
