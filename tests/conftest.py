@@ -16,6 +16,9 @@ if not torch.cuda.is_available():
 # Engines in tests run on the CPU unless a test asks for CUDA (the GPU tests do), so the
 # CPU suite means the same thing on a machine that has a GPU.
 os.environ.setdefault("HITCHLLM_DEVICE", "cpu")
+# Engines use the TORCH reference unless a test names a backend (see ``_fresh_plugins``); set
+# here too so that module-scoped engines, built before any per-test fixture runs, do as well.
+os.environ["HITCHLLM_ATTENTION_BACKEND"] = "TORCH"
 
 import pytest
 import torch
