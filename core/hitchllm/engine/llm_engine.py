@@ -491,7 +491,8 @@ class LLMEngine:
         min_tokens still counting, and logits processors such as a grammar or bad words)."""
         return not any(r.sampling_params.uses_penalties
                        or r.num_output_tokens < r.sampling_params.min_tokens
-                       or any(p.needs_output_tokens for p in r.logits_processors)
+                       or (r.logits_processors and any(p.needs_output_tokens
+                                                       for p in r.logits_processors))
                        for r in sched.requests)
 
     def _complete(self, sched: SchedulerOutput, pending: PendingOutput) -> list[RequestOutput]:
