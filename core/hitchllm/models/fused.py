@@ -13,11 +13,14 @@ transformers rounds them).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -30,21 +33,58 @@ def set_fusion(enabled: bool) -> None:
     _fusion_enabled = enabled
 
 
-def _fused_on_cuda(fn: _F) -> _F:
-    """Run ``fn`` compiled when its first argument is a CUDA tensor and fusion is on."""
+def _recompile_limit_error() -> type[Exception]:
+    # Imported late: torch._dynamo takes a second to import, and only compiled calls need it.
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    return FailOnRecompileLimitHit
+
+
+def _signature(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """What makes dynamo compile anew (besides sizes, which are dynamic): dtypes, ranks and
+    devices of the tensor arguments, and the grad mode."""
+    tensors = tuple((a.dtype, a.dim(), a.device.type) for a in args
+                    if isinstance(a, torch.Tensor))
+    return tensors, torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+
+def _fused(fn: _F, applies: Callable[[torch.Tensor], bool]) -> _F:
+    """Run ``fn`` compiled when ``applies(first argument)`` and fusion is on.
+
+    Dynamo keeps a bounded number of compilations per function (``recompile_limit``); a
+    process that builds many engines (tests, notebooks, a server with several models) can pass
+    it with new dtypes or grad modes. Such a call, and every later one of the same kind, runs
+    eagerly (the same arithmetic), with one warning; the kinds compiled before stay compiled.
+    """
     compiled: Callable[..., Any] | None = None
+    eager_kinds: set[tuple[Any, ...]] = set()
 
     def run(*args: Any) -> Any:
         nonlocal compiled
-        if not (_fusion_enabled and args[0].is_cuda):
+        if not (_fusion_enabled and applies(args[0])):
+            return fn(*args)
+        if eager_kinds and _signature(args) in eager_kinds:
             return fn(*args)
         if compiled is None:
             compiled = torch.compile(fn, dynamic=True, fullgraph=True)
-        return compiled(*args)
+        try:
+            return compiled(*args)
+        except _recompile_limit_error():
+            if not eager_kinds:
+                logger.warning("%s: torch.compile's recompile limit reached (many engines in "
+                               "one process); new argument kinds run without fusion",
+                               fn.__name__)
+            eager_kinds.add(_signature(args))
+            return fn(*args)
 
     run.__doc__ = fn.__doc__
     run.__name__ = fn.__name__
     return run  # type: ignore[return-value]
+
+
+def _fused_on_cuda(fn: _F) -> _F:
+    """Run ``fn`` compiled when its first argument is a CUDA tensor and fusion is on."""
+    return _fused(fn, lambda x: x.is_cuda)
 
 
 def _normalize(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
