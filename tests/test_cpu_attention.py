@@ -19,13 +19,12 @@ pytest.importorskip("hitchllm_attention_cpu")
 
 import hitchllm_attention_cpu.compiler as compiler
 from hitchllm import LLM, SamplingParams
-from hitchllm.attention import (
+from hitchllm.attention import AttentionSpec, CommonAttentionMetadata
+from hitchllm.attention.selector import (
     AttentionBackendError,
-    AttentionSpec,
-    CommonAttentionMetadata,
+    discover_backends,
     select_attention_backend,
 )
-from hitchllm.attention.selector import discover_backends
 from hitchllm.tiny_model import ARCHITECTURES
 from hitchllm_attention_cpu import CpuAttentionBackend
 from hitchllm_attention_cpu.backend import KERNEL_MAX_QUERY_LEN

@@ -19,10 +19,9 @@ import pytest
 import torch
 
 from hitchllm import LLM, SamplingParams, hookspecs
-from hitchllm.attention import (
+from hitchllm.attention import AttentionSpec, CommonAttentionMetadata
+from hitchllm.attention.selector import (
     AttentionBackendError,
-    AttentionSpec,
-    CommonAttentionMetadata,
     rank_backends,
     select_attention_backend,
 )

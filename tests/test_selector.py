@@ -9,7 +9,8 @@ import torch
 from fake_dists import install_fake_plugin
 
 from hitchllm import LLM, SamplingParams
-from hitchllm.attention import AttentionBackendError, AttentionSpec, select_attention_backend
+from hitchllm.attention import AttentionSpec
+from hitchllm.attention.selector import AttentionBackendError, select_attention_backend
 from hitchllm.plugins import get_plugin_registry
 
 pytestmark = pytest.mark.usefixtures("auto_backend")

@@ -28,13 +28,12 @@ import hitchllm_attention_flash.backend as flash_backend
 import hitchllm_attention_flashinfer.backend as fi_backend
 from hitchllm import LLM, SamplingParams
 from hitchllm.attention import (
-    AttentionBackendError,
     AttentionSpec,
     CommonAttentionMetadata,
     pad_rows,
     write_nhd,
 )
-from hitchllm.attention.selector import discover_backends
+from hitchllm.attention.selector import AttentionBackendError, discover_backends
 from hitchllm.tiny_model import build_tiny_checkpoint
 from hitchllm_attention_flash import FlashAttentionBackend
 from hitchllm_attention_flashinfer import FlashInferAttentionBackend

@@ -13,9 +13,9 @@ from torch import nn
 from hitchllm.attention.backend import AttentionBackend
 from hitchllm.attention.torch_backend import TorchAttentionBackend
 from hitchllm.engine.logits_processors import AllowedTokenIds, BadWords, LogitBias
+from hitchllm.hookspecs import hookimpl
 from hitchllm.logits_processor import LogitsProcessor
 from hitchllm.models.llama import LlamaForCausalLM
-from hitchllm.plugins import hookimpl
 
 
 @hookimpl

@@ -31,6 +31,9 @@ if TYPE_CHECKING:
     from hitchllm.request import Request
 
 hookspec = pluggy.HookspecMarker("hitchllm")
+# The marker for implementations (``from hitchllm import hookimpl``); defined here, beside the
+# specs, so that the built-ins can use it without importing the plugin registry.
+hookimpl = pluggy.HookimplMarker("hitchllm")
 
 
 # --------------------------------------------------------------------------------------------

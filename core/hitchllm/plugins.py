@@ -29,7 +29,7 @@ ENTRY_POINT_GROUP = "hitchllm.plugins"
 PROJECT = "hitchllm"
 BUILTIN_DISTRIBUTION = "hitchllm"
 
-hookimpl = pluggy.HookimplMarker(PROJECT)
+hookimpl = hookspecs.hookimpl
 
 
 @dataclass(frozen=True)

@@ -16,17 +16,11 @@ from hitchllm.attention.paged_write import (
     pad_rows,
     write_nhd,
 )
-from hitchllm.attention.selector import (
-    AttentionBackendError,
-    rank_backends,
-    select_attention_backend,
-)
 from hitchllm.attention.torch_backend import TorchAttentionBackend
 
 __all__ = [
     "Attention",
     "AttentionBackend",
-    "AttentionBackendError",
     "AttentionImpl",
     "AttentionMetadataBuilder",
     "AttentionSpec",
@@ -37,8 +31,6 @@ __all__ = [
     "kernel_reasons",
     "nhd_cache_shape",
     "pad_rows",
-    "rank_backends",
-    "select_attention_backend",
     "set_forward_context",
     "write_nhd",
 ]

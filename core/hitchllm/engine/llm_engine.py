@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from hitchllm.attention import AttentionSpec, select_attention_backend
+from hitchllm.attention import AttentionSpec
+from hitchllm.attention.selector import select_attention_backend
 from hitchllm.config import EngineConfig, ModelConfig, parse_size
 from hitchllm.engine.cuda_graphs import default_capture_sizes
 from hitchllm.engine.kv_sizing import MemorySnapshot, cuda_kv_cache_bytes

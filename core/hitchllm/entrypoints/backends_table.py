@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from hitchllm.attention import AttentionSpec, rank_backends
-from hitchllm.attention.selector import AttentionBackendError, select_attention_backend
+from hitchllm.attention import AttentionSpec
+from hitchllm.attention.selector import (
+    AttentionBackendError,
+    rank_backends,
+    select_attention_backend,
+)
 from hitchllm.config import ModelConfig, parse_dtype
 from hitchllm.plugins import get_plugin_registry
 
