@@ -228,8 +228,8 @@ def test_missing_text_file_model_and_weights_are_one_error_line(llama_path, caps
     assert result.returncode != 0
     assert "Traceback" not in result.stderr
     assert error_lines(result.stderr) == [
-        f"error: no *.safetensors weights in {no_weights}; hitchllm loads Hugging Face "
-        "checkpoints in safetensors format"]
+        f"error: no weights in {no_weights}: hitchllm loads Hugging Face checkpoints with "
+        "*.safetensors or pytorch_model*.bin files"]
 
 
 # ---- serve MODEL ------------------------------------------------------------------------------

@@ -167,6 +167,7 @@ class LlamaForCausalLM(nn.Module):
         """Copy checkpoint tensors in, stacking q/k/v and gate/up; error on anything missing."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        unexpected: list[str] = []
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
@@ -178,9 +179,8 @@ class LlamaForCausalLM(nn.Module):
                     target, shard = name.replace(part, stacked), index
                     break
             if target not in params:
-                raise ValueError(
-                    f"checkpoint tensor {name!r} has no place in {type(self).__name__}"
-                )
+                unexpected.append(name)
+                continue
             param = params[target]
             with torch.no_grad():
                 if shard is None:
@@ -189,7 +189,7 @@ class LlamaForCausalLM(nn.Module):
                     start, size = self._shard_range(target, shard)
                     _copy_checked(param.narrow(0, start, size), tensor, name)
             loaded.add(target if shard is None else f"{target}#{shard}")
-        self._check_complete(params, loaded)
+        self._check_complete(params, loaded, unexpected)
 
     def _shard_range(self, target: str, shard: int) -> tuple[int, int]:
         cfg = self.config
@@ -199,7 +199,9 @@ class LlamaForCausalLM(nn.Module):
             return [(0, q), (q, kv), (q + kv, kv)][shard]
         return (shard * cfg.intermediate_size, cfg.intermediate_size)
 
-    def _check_complete(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
+    def _check_complete(
+        self, params: dict[str, nn.Parameter], loaded: set[str], unexpected: list[str]
+    ) -> None:
         missing = []
         for name in params:
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
@@ -212,9 +214,14 @@ class LlamaForCausalLM(nn.Module):
             else:
                 parts = (f"{name}#{i}" for i in range(shards[kind]))
                 missing += [p for p in parts if p not in loaded]
-        if missing:
-            raise ValueError(f"checkpoint is missing tensors: {', '.join(missing[:8])}"
-                             + (" ..." if len(missing) > 8 else ""))
+        problems = []
+        for what, names in (("is missing", missing), ("has unexpected", unexpected)):
+            if names:
+                more = f" and {len(names) - 8} more" if len(names) > 8 else ""
+                problems.append(f"{what} {len(names)} tensors: {', '.join(names[:8])}{more}")
+        if problems:
+            raise ValueError(f"the checkpoint does not fit {type(self).__name__} "
+                             f"({self.config.architecture}): it " + "; it ".join(problems))
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

@@ -24,27 +24,35 @@ def model_architectures(registry: PluginRegistry) -> dict[str, type[nn.Module]]:
     return merged
 
 
-def safetensors_files(path: Path) -> list[Path]:
-    """The checkpoint's weight files, via the shard index when there is one."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [path / name for name in sorted(set(weight_map.values()))]
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(
-            f"no *.safetensors weights in {path}; hitchllm loads Hugging Face checkpoints in "
-            "safetensors format"
-        )
-    return files
+def weight_files(path: Path) -> list[Path]:
+    """The checkpoint's weight files: ``*.safetensors`` (via the shard index when there is
+    one), else PyTorch's ``pytorch_model*.bin`` (likewise)."""
+    for index_name, pattern in (("model.safetensors.index.json", "*.safetensors"),
+                                ("pytorch_model.bin.index.json", "pytorch_model*.bin")):
+        index = path / index_name
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return [path / name for name in sorted(set(weight_map.values()))]
+        files = sorted(path.glob(pattern))
+        if files:
+            return files
+    raise FileNotFoundError(
+        f"no weights in {path}: hitchllm loads Hugging Face checkpoints with *.safetensors "
+        "or pytorch_model*.bin files"
+    )
 
 
 def iterate_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint, file by file, loaded on the CPU."""
-    for file in safetensors_files(path):
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name)
+    """Every tensor of the checkpoint, file by file, loaded on the CPU. ``.bin`` files are
+    read with ``torch.load(weights_only=True)``: tensors only, no pickled code runs."""
+    for file in weight_files(path):
+        if file.suffix == ".safetensors":
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    yield name, f.get_tensor(name)
+        else:
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            yield from state.items()
 
 
 def quantization_method(
