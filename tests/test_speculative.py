@@ -113,7 +113,7 @@ def test_drafts_respect_stop_tokens(tiny_models, proposers):
 
 
 def test_unknown_speculative_method_is_explained(llama_path):
-    with pytest.raises(ValueError, match="'medusa'.*hitchllm-specdec"):
+    with pytest.raises(ValueError, match="'medusa'.*hitchllm_speculative_proposers"):
         LLM(llama_path, speculative_method="medusa", num_speculative_tokens=2)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         LLM(llama_path, speculative_method="ngram")

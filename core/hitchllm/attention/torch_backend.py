@@ -252,7 +252,7 @@ class TorchAttentionBackend(AttentionBackend):
     def validate(cls, spec: AttentionSpec) -> list[str]:
         reasons = []
         if spec.use_mla:
-            reasons.append("MLA models need an MLA backend (install hitchllm-attention-mla)")
+            reasons.append("MLA models need an MLA attention backend from a plugin")
         if spec.dtype not in _SUPPORTED_DTYPES:
             reasons.append(f"dtype {spec.dtype} is not supported (use float32/float16/bfloat16)")
         if spec.num_heads % spec.num_kv_heads:

@@ -208,8 +208,8 @@ class LLMEngine:
         if name not in proposers:
             raise ValueError(
                 f"speculative method {name!r} is not provided by any installed plugin; "
-                f"installed: {', '.join(sorted(proposers)) or 'none'} "
-                "(pip install hitchllm-specdec)"
+                f"installed: {', '.join(sorted(proposers)) or 'none'} (speculative decoding "
+                "comes from a plugin that implements hitchllm_speculative_proposers)"
             )
         return proposers[name](self.config)
 

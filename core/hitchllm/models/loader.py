@@ -68,7 +68,8 @@ def quantization_method(
     if name not in methods:
         raise ValueError(
             f"quantization method {name!r} is not provided by any installed plugin; installed: "
-            f"{', '.join(sorted(methods)) or 'none'} (pip install hitchllm-quantization)"
+            f"{', '.join(sorted(methods)) or 'none'} (quantization comes from a plugin that "
+            "implements hitchllm_quantization_methods)"
         )
     return methods[name]
 
