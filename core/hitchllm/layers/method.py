@@ -1,0 +1,134 @@
+"""Linear methods: how a layer stores its weights and multiplies by them.
+
+A layer (``hitchllm.layers.linear``, ``hitchllm.layers.vocab``) knows its shapes and its
+tensor-parallel slice; its *linear method* decides which parameters hold the weight (a plain
+matrix, or int8 values plus scales, ...) and how ``apply`` computes ``x @ W.T + bias``. The
+default is ``UnquantizedLinearMethod``; a quantization plugin supplies others, per layer,
+through ``QuantizationMethod.get_linear_method`` (see ``hitchllm_quantization_methods``).
+
+Every parameter a method creates carries, as attributes (``set_weight_attrs``):
+
+- ``weight_loader(param, loaded_weight, shard_id=None)``: the layer's loader, which copies this
+  rank's part of a checkpoint tensor into the parameter's slot (``shard_id`` names the slot of
+  a stacked layer: ``"q"``/``"k"``/``"v"`` or ``0``/``1`` for gate/up);
+- ``output_dim`` / ``input_dim``: which dimension of the parameter runs along the layer's
+  output (rows of the weight) and input (columns), or ``None`` when it does not (a per-tensor
+  scale). The loader slices and places the tensor along these dimensions, so a per-output-
+  channel scale (``output_dim=0``) lands in its q/k/v or gate/up slot like the weight does.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ShardId = int | str | None
+
+
+class WeightLoader(Protocol):
+    def __call__(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None
+    ) -> None: ...
+
+
+def set_weight_attrs(param: nn.Parameter, **attrs: Any) -> None:
+    """Attach loading attributes (``weight_loader``, ``output_dim``, ``input_dim``) to
+    ``param``."""
+    for key, value in attrs.items():
+        if hasattr(param, key):
+            raise AttributeError(f"parameter already has attribute {key!r}")
+        setattr(param, key, value)
+
+
+def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` that refuses a shape mismatch (a broadcast would hide a bad
+    checkpoint)."""
+    if dst.shape != src.shape:
+        raise ValueError(f"shape {tuple(src.shape)} does not fit {tuple(dst.shape)}")
+    with torch.no_grad():
+        dst.copy_(src)
+
+
+def default_weight_loader(
+    param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None
+) -> None:
+    """The loader of a parameter that is neither sliced nor stacked (norm weights, ...)."""
+    if shard_id is not None:
+        raise ValueError(f"parameter has no stacked slots, got shard {shard_id!r}")
+    copy_checked(param.data, loaded_weight)
+
+
+class LinearMethod(ABC):
+    """How a layer holds and applies its weight. Subclass it in a quantization plugin."""
+
+    @abstractmethod
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        params_dtype: torch.dtype,
+        weight_loader: WeightLoader,
+    ) -> None:
+        """Register ``layer``'s weight parameters (``layer.register_parameter``), each with
+        ``set_weight_attrs(param, weight_loader=weight_loader, output_dim=..., input_dim=...)``.
+
+        ``output_partition_sizes`` are this rank's output rows per stacked slot (one entry for
+        an unstacked layer; q, k, v or gate, up otherwise), ``input_size_per_partition`` this
+        rank's input columns. The layer's full sizes are ``layer.input_size`` and
+        ``layer.output_size``. Extra checkpoint tensors (scales, zero points) are parameters
+        too, named as the checkpoint names them after the layer's prefix.
+        """
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Called once after every checkpoint tensor is loaded: repack, transpose or fold
+        scales here. The default does nothing."""
+        return
+
+    @abstractmethod
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``x @ W.T + bias`` for this rank's slice; ``x`` is ``[tokens, input]``. Runs on the
+        hot path and inside CUDA graphs: no host synchronization, no Python per token."""
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    """One ``weight`` of shape ``[output, input]`` in the model dtype; ``apply`` is one
+    ``F.linear``."""
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        params_dtype: torch.dtype,
+        weight_loader: WeightLoader,
+    ) -> None:
+        weight = nn.Parameter(
+            torch.empty(sum(output_partition_sizes), input_size_per_partition,
+                        dtype=params_dtype),
+            requires_grad=False,
+        )
+        set_weight_attrs(weight, weight_loader=weight_loader, output_dim=0, input_dim=1)
+        layer.register_parameter("weight", weight)
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+
+class QuantizationMethod(Protocol):
+    """What a quantization plugin's class (``hitchllm_quantization_methods``) provides once
+    constructed as ``cls(model_config)``."""
+
+    def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
+        """The linear method for ``layer``, whose parameters load from checkpoint names
+        starting with ``prefix`` (e.g. ``"model.layers.0.self_attn.qkv_proj"``), or ``None``
+        to leave the layer unquantized."""
+        ...
