@@ -17,14 +17,16 @@ CALLS = []
 
 
 class HalfScale:
-    '''A toy method that only records its calls: process_model must run after the model is
-    built and before the engine reports it loaded.'''
+    '''A toy method that only records its calls: every linear layer asks it for a linear
+    method while the model is built, before the engine reports the model loaded; None leaves
+    the layer unquantized.'''
 
     def __init__(self, model_config):
         CALLS.append(("quant_init", model_config.architecture))
 
-    def process_model(self, model):
-        CALLS.append(("process_model", type(model).__name__))
+    def get_linear_method(self, layer, prefix):
+        CALLS.append(("get_linear_method", prefix))
+        return None
 
 
 @hookimpl
@@ -66,10 +68,14 @@ def plugin(tmp_path, monkeypatch):
     return fake_hooks_plugin
 
 
-def test_quantization_method_processes_the_model_before_load(plugin, llama_path):
+def test_quantization_method_is_asked_per_layer_before_load(plugin, llama_path):
     LLM(llama_path, quantization="halfscale")
     kinds = [c[0] for c in plugin.CALLS]
-    assert kinds[:3] == ["quant_init", "process_model", "model_loaded"]
+    asked = [c[1] for c in plugin.CALLS if c[0] == "get_linear_method"]
+    assert kinds[0] == "quant_init" and kinds[len(asked) + 1] == "model_loaded"
+    assert asked[:4] == ["model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj",
+                         "model.layers.0.mlp.gate_up_proj", "model.layers.0.mlp.down_proj"]
+    assert asked[-1] == "lm_head"
 
 
 def test_unknown_quantization_method_lists_installed(plugin, llama_path):

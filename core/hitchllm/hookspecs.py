@@ -59,8 +59,10 @@ def hitchllm_model_architectures() -> dict[str, type[torch.nn.Module]]:
 
     Called once per engine when the model is built. Keys are the names found in a checkpoint's
     ``config.json`` ``architectures`` list (e.g. ``"DeepseekV3ForCausalLM"``). A model class is
-    constructed as ``cls(model_config)`` (a ``hitchllm.config.ModelConfig``), must route its
-    attention through ``hitchllm.attention.Attention`` layers, and provide
+    constructed as ``cls(model_config, quant_config=...)`` (a ``hitchllm.config.ModelConfig``;
+    the active quantization method or None, to pass to its ``hitchllm.layers`` linear layers
+    with each layer's parameter-name prefix), must route its attention through
+    ``hitchllm.attention.Attention`` layers, and provide
     ``forward(input_ids, positions) -> hidden_states``, ``compute_logits(hidden_states)`` and
     ``load_weights(weights: Iterable[tuple[str, torch.Tensor]])``. When two plugins provide the
     same name, the one registered last wins (so a plugin can override a built-in).
@@ -73,9 +75,20 @@ def hitchllm_quantization_methods() -> dict[str, type[Any]]:
 
     Called once per engine when ``quantization=NAME`` is requested (or the checkpoint's
     ``quantization_config.quant_method`` names one). The class is constructed as
-    ``cls(model_config)`` and its ``process_model(model)`` is called with the model after
-    construction and before weights load, so it can replace linear layers with quantized ones.
-    An unknown method name is an error listing the installed ones.
+    ``cls(model_config)`` (the checkpoint's ``quantization_config`` dict is in
+    ``model_config.hf_config``) and passed to the model as ``quant_config``. While the model is
+    built, every linear layer of ``hitchllm.layers`` (and the LM head unless it is tied) calls
+    ``get_linear_method(layer, prefix) -> hitchllm.layers.LinearMethod | None`` once, with the
+    layer (its ``input_size``, ``output_size``, ``output_partition_sizes``) and its parameter
+    name prefix (``"model.layers.0.self_attn.qkv_proj"``; stacked layers carry our stacked
+    name, not the checkpoint's ``q_proj``); ``None`` leaves the layer unquantized.
+
+    The linear method's ``create_weights`` registers the layer's parameters, extra checkpoint
+    tensors included (``weight_scale``, zero points), each with the layer's ``weight_loader``
+    and its ``output_dim`` / ``input_dim``, so they load, slot by slot and shard by shard, like
+    the weight. After every tensor is loaded the core calls its
+    ``process_weights_after_loading(layer)``; ``apply(layer, x, bias)`` then runs each
+    forward. An unknown method name is an error listing the installed ones.
     """
 
 

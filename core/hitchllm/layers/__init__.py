@@ -10,6 +10,7 @@ from hitchllm.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
+from hitchllm.layers.loading import load_named_weights, process_weights_after_loading
 from hitchllm.layers.method import (
     LinearMethod,
     QuantizationMethod,
@@ -34,5 +35,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "WeightLoader",
     "default_weight_loader",
+    "load_named_weights",
+    "process_weights_after_loading",
     "set_weight_attrs",
 ]

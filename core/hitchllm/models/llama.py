@@ -4,8 +4,11 @@
 - Qwen2: q/k/v bias always, no o bias.
 - Qwen3: RMSNorm on each query and key head before rotary (q_norm / k_norm).
 
-Projections are stacked (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``) so each step
-runs two matmuls fewer per layer; ``load_weights`` maps the checkpoint's separate tensors in.
+Built from ``hitchllm.layers``: q/k/v run as one ``QKVParallelLinear`` and gate/up as one
+``MergedColumnParallelLinear`` (two matmuls fewer per layer); their weight loaders place the
+checkpoint's separate tensors in their slots, so ``load_weights`` only routes names. Every
+linear layer asks ``quant_config`` (the active quantization method, or None) for its linear
+method, with its parameter-name prefix.
 """
 
 from __future__ import annotations
@@ -19,6 +22,16 @@ from torch import nn
 
 from hitchllm.attention import Attention
 from hitchllm.config import ModelConfig
+from hitchllm.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    QuantizationMethod,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    load_named_weights,
+)
+from hitchllm.layers.loading import Stacking
 from hitchllm.models import fused
 from hitchllm.models.norm import RMSNorm
 from hitchllm.models.rope import RotaryEmbedding
@@ -47,18 +60,24 @@ def family_traits(config: ModelConfig) -> FamilyTraits:
 class LlamaAttention(nn.Module):
     def __init__(
         self, config: ModelConfig, traits: FamilyTraits, layer_index: int,
-        rotary: RotaryEmbedding,
+        rotary: RotaryEmbedding, quant_config: QuantizationMethod | None, prefix: str,
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, config.num_attention_heads,
+            config.num_key_value_heads, bias=traits.qkv_bias, quant_config=quant_config,
+            prefix=f"{prefix}.qkv_proj",
+        )
+        # This rank's heads (all of them in a world of one).
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=traits.qkv_bias
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=traits.o_bias,
+            quant_config=quant_config, prefix=f"{prefix}.o_proj",
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=traits.o_bias)
         self.qk_norm = traits.qk_norm
         if traits.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -81,13 +100,20 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(
+        self, config: ModelConfig, quant_config: QuantizationMethod | None, prefix: str
+    ) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [config.intermediate_size] * 2, quant_config=quant_config,
+            prefix=f"{prefix}.gate_up_proj",
+        )
+        self.down_proj = RowParallelLinear(
+            config.intermediate_size, config.hidden_size, quant_config=quant_config,
+            prefix=f"{prefix}.down_proj",
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x)))
@@ -96,13 +122,14 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(
         self, config: ModelConfig, traits: FamilyTraits, layer_index: int,
-        rotary: RotaryEmbedding,
+        rotary: RotaryEmbedding, quant_config: QuantizationMethod | None, prefix: str,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, traits, layer_index, rotary)
+        self.self_attn = LlamaAttention(config, traits, layer_index, rotary, quant_config,
+                                        f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, quant_config, f"{prefix}.mlp")
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
@@ -119,17 +146,22 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(
+        self, config: ModelConfig, quant_config: QuantizationMethod | None, prefix: str
+    ) -> None:
         super().__init__()
         traits = family_traits(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens"
+        )
         # One cos/sin table shared by every layer (it can be large for long-context models).
         rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta,
             config.rope_scaling,
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, traits, i, rotary) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, traits, i, rotary, quant_config, f"{prefix}.layers.{i}")
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -143,19 +175,25 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """A decoder-only LM over a packed batch: ``forward(input_ids [T], positions [T])``."""
 
-    # Checkpoint tensor name fragment -> (our stacked parameter, shard index).
-    _STACKED: ClassVar[dict[str, tuple[str, int]]] = {
-        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    # Checkpoint module name -> (our stacked module, its slot).
+    STACKED: ClassVar[Stacking] = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(
+        self, config: ModelConfig, quant_config: QuantizationMethod | None = None
+    ) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.model = LlamaModel(config, quant_config, "model")
+        tied = config.tie_word_embeddings
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, config.hidden_size, quant_config=None if tied else quant_config,
+            prefix="lm_head",
+        )
+        if tied:
+            self.lm_head.tie_to(self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
@@ -164,69 +202,10 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors in, stacking q/k/v and gate/up; error on anything missing."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        unexpected: list[str] = []
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            target, shard = name, None
-            for part, (stacked, index) in self._STACKED.items():
-                if f".{part}." in name:
-                    target, shard = name.replace(part, stacked), index
-                    break
-            if target not in params:
-                unexpected.append(name)
-                continue
-            param = params[target]
-            with torch.no_grad():
-                if shard is None:
-                    _copy_checked(param, tensor, name)
-                else:
-                    start, size = self._shard_range(target, shard)
-                    _copy_checked(param.narrow(0, start, size), tensor, name)
-            loaded.add(target if shard is None else f"{target}#{shard}")
-        self._check_complete(params, loaded, unexpected)
-
-    def _shard_range(self, target: str, shard: int) -> tuple[int, int]:
-        cfg = self.config
-        if "qkv_proj" in target:
-            q = cfg.num_attention_heads * cfg.head_dim
-            kv = cfg.num_key_value_heads * cfg.head_dim
-            return [(0, q), (q, kv), (q + kv, kv)][shard]
-        return (shard * cfg.intermediate_size, cfg.intermediate_size)
-
-    def _check_complete(
-        self, params: dict[str, nn.Parameter], loaded: set[str], unexpected: list[str]
-    ) -> None:
-        missing = []
-        for name in params:
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            shards = {"qkv_proj": 3, "gate_up_proj": 2}
-            kind = next((k for k in shards if f".{k}." in name), None)
-            if kind is None:
-                if name not in loaded:
-                    missing.append(name)
-            else:
-                parts = (f"{name}#{i}" for i in range(shards[kind]))
-                missing += [p for p in parts if p not in loaded]
-        problems = []
-        for what, names in (("is missing", missing), ("has unexpected", unexpected)):
-            if names:
-                more = f" and {len(names) - 8} more" if len(names) > 8 else ""
-                problems.append(f"{what} {len(names)} tensors: {', '.join(names[:8])}{more}")
-        if problems:
-            raise ValueError(f"the checkpoint does not fit {type(self).__name__} "
-                             f"({self.config.architecture}): it " + "; it ".join(problems))
-
-
-def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    if dst.shape != src.shape:
-        raise ValueError(
-            f"checkpoint tensor {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}"
+        """Route checkpoint tensors to parameters; error on anything missing or unexpected."""
+        tied = self.config.tie_word_embeddings
+        load_named_weights(
+            self, weights, self.STACKED,
+            skip=lambda name: "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"),
+            description=f"{type(self).__name__} ({self.config.architecture})",
         )
-    dst.copy_(src)

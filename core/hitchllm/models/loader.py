@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
 from hitchllm.config import ModelConfig
+from hitchllm.layers import QuantizationMethod, process_weights_after_loading
 from hitchllm.plugins import PluginRegistry
 
 
@@ -57,12 +57,12 @@ def iterate_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def quantization_method(
     config: ModelConfig, registry: PluginRegistry, requested: str | None
-) -> type[Any] | None:
+) -> type[QuantizationMethod] | None:
     """The quantization class for ``requested`` (or the checkpoint's own ``quant_method``)."""
     name = requested or (config.hf_config.get("quantization_config") or {}).get("quant_method")
     if name is None:
         return None
-    methods: dict[str, type[Any]] = {}
+    methods: dict[str, type[QuantizationMethod]] = {}
     for result in reversed(registry.hook.hitchllm_quantization_methods()):
         methods.update(result or {})
     if name not in methods:
@@ -81,8 +81,13 @@ def load_model(
     dtype: torch.dtype,
     quantization: str | None = None,
 ) -> nn.Module:
-    """Construct the architecture's model on ``device`` in ``dtype``, let a quantization method
-    rewrite its layers, and load its weights."""
+    """Construct the architecture's model on ``device`` in ``dtype`` and load its weights.
+
+    A quantization method (``requested``, or the checkpoint's ``quant_method``) is constructed
+    as ``cls(model_config)`` and passed to the model as ``quant_config``: each linear layer
+    asks it for its linear method at construction, and the method's parameters (scales, ...)
+    load through the same weight loaders. Every linear method then gets its
+    ``process_weights_after_loading`` call."""
     archs = model_architectures(registry)
     cls = archs.get(config.architecture)
     if cls is None:
@@ -95,10 +100,10 @@ def load_model(
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = cls(config)
-            if quant_cls is not None:
-                quant_cls(config).process_model(model)
+            quant_config = quant_cls(config) if quant_cls is not None else None
+            model = cls(config, quant_config=quant_config)
     finally:
         torch.set_default_dtype(previous)
     model.load_weights(iterate_weights(config.path))
+    process_weights_after_loading(model)
     return model.eval()
