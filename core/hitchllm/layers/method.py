@@ -46,9 +46,13 @@ def set_weight_attrs(param: nn.Parameter, **attrs: Any) -> None:
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)`` that refuses a shape mismatch (a broadcast would hide a bad
-    checkpoint)."""
+    checkpoint) and a copy between floating-point and integer dtypes."""
     if dst.shape != src.shape:
         raise ValueError(f"shape {tuple(src.shape)} does not fit {tuple(dst.shape)}")
+    # Float to float converts (a bfloat16 checkpoint in a float32 engine); float to integer
+    # would silently truncate, so it is a checkpoint that does not fit the method.
+    if dst.dtype.is_floating_point != src.dtype.is_floating_point:
+        raise ValueError(f"dtype {src.dtype} does not fit {dst.dtype}")
     with torch.no_grad():
         dst.copy_(src)
 
