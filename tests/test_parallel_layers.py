@@ -9,8 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
 from hitchllm import distributed
+from hitchllm.config import ModelConfig
 from hitchllm.layers import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -20,6 +22,8 @@ from hitchllm.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from hitchllm.models.llama import LlamaForCausalLM
+from hitchllm.tiny_model import build_tiny_checkpoint
 
 WORLD_SIZES = [2, 4]
 HIDDEN = 8
@@ -207,3 +211,40 @@ def test_a_tensor_of_the_wrong_shape_is_refused_with_both_shapes():
         load(layer, "weight", randn(4, 7), "v")
     with pytest.raises(ValueError, match="unknown slot 'x'"):
         load(layer, "weight", randn(4, HIDDEN), "x")
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_each_rank_of_a_model_loads_its_shards_of_the_checkpoint(tmp_path, world_size):
+    """The Llama family's load_weights routes names only; the layers' loaders give every rank
+    its heads (KV heads replicated: 2 of them over 4 ranks), MLP columns and vocabulary rows."""
+    torch.set_default_dtype(torch.float32)  # a float32 checkpoint, as a user would have
+    path = build_tiny_checkpoint(tmp_path / "m", "Qwen2ForCausalLM", seed=2)
+    torch.set_default_dtype(torch.float64)
+    config = ModelConfig.from_pretrained(path)
+    state = {n: t.double() for n, t in load_file(str(path / "model.safetensors")).items()}
+    # transformers initializes biases to zero; random ones show that they are sliced too.
+    state.update({n: randn(*t.shape) for n, t in state.items() if n.endswith(".bias")})
+    models = ranks(world_size, lambda: LlamaForCausalLM(config))
+    for model in models:
+        model.load_weights(iter(state.items()))
+    prefix = "model.layers.1."
+    attn = [m.model.layers[1].self_attn for m in models]
+    heads, kv_heads, head = (config.num_attention_heads, config.num_key_value_heads,
+                             config.head_dim)
+    replicas = max(world_size // kv_heads, 1)
+    sizes = [heads // world_size * head, attn[0].kv_size, attn[0].kv_size]
+    for param in ("weight", "bias"):
+        q, k, v = zip(*(getattr(a.qkv_proj, param).split(sizes) for a in attn), strict=True)
+        assert torch.equal(torch.cat(q), state[f"{prefix}self_attn.q_proj.{param}"])
+        assert torch.equal(torch.cat(k[::replicas]), state[f"{prefix}self_attn.k_proj.{param}"])
+        assert torch.equal(torch.cat(v[::replicas]), state[f"{prefix}self_attn.v_proj.{param}"])
+    assert torch.equal(torch.cat([a.o_proj.weight for a in attn], dim=1),
+                       state[f"{prefix}self_attn.o_proj.weight"])
+    inter = config.intermediate_size // world_size
+    gate, up = zip(*(m.model.layers[1].mlp.gate_up_proj.weight.split(inter) for m in models),
+                   strict=True)
+    assert torch.equal(torch.cat(gate), state[f"{prefix}mlp.gate_proj.weight"])
+    assert torch.equal(torch.cat(up), state[f"{prefix}mlp.up_proj.weight"])
+    vocab = config.vocab_size
+    rows = torch.cat([m.lm_head.weight for m in models])
+    assert torch.equal(rows[:vocab], state["lm_head.weight"]) and not rows[vocab:].any()

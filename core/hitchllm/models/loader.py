@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -57,12 +57,12 @@ def iterate_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def quantization_method(
     config: ModelConfig, registry: PluginRegistry, requested: str | None
-) -> type[QuantizationMethod] | None:
+) -> Callable[[ModelConfig], QuantizationMethod] | None:
     """The quantization class for ``requested`` (or the checkpoint's own ``quant_method``)."""
     name = requested or (config.hf_config.get("quantization_config") or {}).get("quant_method")
     if name is None:
         return None
-    methods: dict[str, type[QuantizationMethod]] = {}
+    methods: dict[str, Callable[[ModelConfig], QuantizationMethod]] = {}
     for result in reversed(registry.hook.hitchllm_quantization_methods()):
         methods.update(result or {})
     if name not in methods:
