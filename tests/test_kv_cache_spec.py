@@ -4,7 +4,9 @@ against a float64 reference on the fp8-rounded K/V, and backends refusing fp8 wi
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from test_torch_attention import CASES
 
 from hitchllm import LLM, SamplingParams, default_model_path
 from hitchllm.attention import (
+    Attention,
     AttentionSpec,
     KVCacheKind,
     KVCacheSpec,
@@ -241,3 +244,30 @@ def test_kv_cache_dtype_names(llama_path):
     assert EngineConfig(model=llama_path).resolve_kv_cache_dtype(torch.float16) is torch.float16
     with pytest.raises(ValueError, match="^kv_cache_dtype: Input should be 'auto', 'fp8'"):
         EngineConfig(model=llama_path, kv_cache_dtype="int8")
+
+
+# ---- MLA through the selector ------------------------------------------------------------------
+
+def test_an_mla_config_reaches_validate_as_use_mla_with_the_latent_width(llama_path, tmp_path,
+                                                                        monkeypatch):
+    model = tmp_path / "mla"
+    shutil.copytree(llama_path, model)
+    config = json.loads((model / "config.json").read_text())
+    config.update(kv_lora_rank=32, qk_rope_head_dim=8)
+    (model / "config.json").write_text(json.dumps(config))
+    seen = []
+    validate = TorchAttentionBackend.validate.__func__
+    monkeypatch.setattr(TorchAttentionBackend, "validate",
+                        classmethod(lambda cls, spec: seen.append(spec) or validate(cls, spec)))
+    with pytest.raises(AttentionBackendError, match="MLA models need an MLA attention backend"):
+        LLM(str(model))
+    assert seen[0].use_mla and seen[0].head_size == 40 and seen[0].num_kv_heads == 1
+
+
+def test_layers_whose_kv_cache_kind_contradicts_the_spec_are_refused(llama_path, monkeypatch):
+    monkeypatch.setattr(Attention, "get_kv_cache_spec",
+                        lambda self, block_size, dtype: KVCacheSpec.for_mla(32, 8, dtype,
+                                                                            block_size))
+    with pytest.raises(ValueError, match="with use_mla=False every attention layer must "
+                                         "declare no MLA latent KV cache"):
+        LLM(llama_path)

@@ -94,10 +94,6 @@ class KVCacheSpec:
         """Bytes of one block (``block_size`` tokens) of this layer's cache: its page size."""
         return self.block_size * self.bytes_per_token
 
-    @property
-    def is_fp8(self) -> bool:
-        return self.dtype in FP8_DTYPES
-
 
 def bytes_per_shared_block(specs: Sequence[KVCacheSpec]) -> int:
     """Bytes one block of the shared pool costs: every layer's page of it. Raises
