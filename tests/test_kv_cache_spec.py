@@ -106,32 +106,34 @@ def fp8_rounded(x: torch.Tensor, scale: float, model_dtype: torch.dtype,
     return stored.double() * scale
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("kv_name", sorted(FP8))
-def test_torch_fp8_attention_equals_float64_attention_over_fp8_rounded_kv(case, kv_name):
+def test_torch_fp8_attention_equals_float64_attention_over_fp8_rounded_kv(case, kv_name, device):
     fp8, model_dtype = FP8[kv_name], torch.float32
     heads, kv_heads, head_size, block_size, num_blocks = 8, 2, 16, 4, 40
     context_lens, query_lens = CASES[case]
-    spec = AttentionSpec(device_type="cpu", dtype=model_dtype, kv_cache_dtype=fp8,
+    spec = AttentionSpec(device_type=device, dtype=model_dtype, kv_cache_dtype=fp8,
                          head_size=head_size, num_heads=heads, num_kv_heads=kv_heads,
                          block_size=block_size)
     assert TorchAttentionBackend.validate(spec) == []
     kv_spec = KVCacheSpec.for_attention(kv_heads, head_size, fp8, block_size)
     cache = torch.zeros(TorchAttentionBackend.get_kv_cache_shape_for_spec(num_blocks, kv_spec),
-                        dtype=fp8)
+                        dtype=fp8, device=device)
     scale = head_size**-0.5
     impl = TorchAttentionBackend.get_impl_cls()(heads, head_size, scale, kv_heads, spec)
     # Scales other than 1.0, as a quantization method would set them.
     k_scale, v_scale = 0.05, 0.5
-    impl.k_scale, impl.v_scale = torch.tensor(k_scale), torch.tensor(v_scale)
+    impl.k_scale = torch.tensor(k_scale, device=device)
+    impl.v_scale = torch.tensor(v_scale, device=device)
 
     def write(slots, k, v):
         impl.write_kv_cache(cache, k, v, slots)
 
     batch = make_batch(context_lens, query_lens, heads, kv_heads, head_size, block_size,
                        num_blocks, cache, model_dtype, write_context=write)
-    meta = TorchAttentionBackend.get_builder_cls()(spec, torch.device("cpu")).build(batch.common)
-    out = impl.forward(batch.query, batch.key, batch.value, cache, meta)
+    meta = TorchAttentionBackend.get_builder_cls()(spec, torch.device(device)).build(batch.common)
+    out = impl.forward(batch.query, batch.key, batch.value, cache, meta).cpu()
 
     rounded = dataclasses.replace(
         batch,
@@ -152,30 +154,46 @@ def test_values_beyond_the_fp8_range_saturate_instead_of_becoming_nan(fp8):
     assert stored.float().tolist() == [limit, -limit, 3.0]
 
 
+CODE_PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\ndef main(",
+                "class Stack:\n    def __init__(self):\n", "for i in range(10):\n",
+                "def read_file(path):\n    with open(path) as f:\n",
+                "# Sort a list of numbers\ndef sort(", "if __name__ == '__main__':\n",
+                "def add(a, b):\n    return"]
+
+
+def greedy_agreement(full: LLM, fp8: LLM) -> float:
+    """Share of greedy tokens equal in the two engines, counting each sequence up to its first
+    divergence (after it the contexts differ)."""
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    a, b = ([o.outputs[0].token_ids for o in llm.generate(CODE_PROMPTS, params)]
+            for llm in (full, fp8))
+    agreeing = sum(next((i for i, (x, y) in enumerate(zip(f, q)) if x != y), len(f))
+                   for f, q in zip(a, b))
+    return agreeing / sum(len(f) for f in a)
+
+
 def test_fp8_engine_greedy_tokens_mostly_follow_the_full_precision_engine():
     """fp8 K/V only round the cache, so greedy tokens mostly agree with the float32 cache's.
     Measured with the bundled (trained) code model, 8 prompts x 16 tokens: 89.8% of tokens
     agree up to each sequence's first divergence, 6 of 8 sequences identical (fp8_e5m2, with
     one mantissa bit less: 78.1%, 4 of 8). A broken fp8 path (wrong scale or slots) agrees on
     almost nothing; a random tiny model, whose logits nearly tie, would say little."""
-    prompts = ["def fibonacci(n):\n", "import os\nimport sys\n\ndef main(",
-               "class Stack:\n    def __init__(self):\n", "for i in range(10):\n",
-               "def read_file(path):\n    with open(path) as f:\n",
-               "# Sort a list of numbers\ndef sort(", "if __name__ == '__main__':\n",
-               "def add(a, b):\n    return"]
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-
-    def tokens(kv_cache_dtype):
-        llm = LLM(default_model_path(), kv_cache_dtype=kv_cache_dtype)
-        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-
-    full, fp8 = tokens("auto"), tokens("fp8")
-    # Tokens up to each sequence's first divergence (after it, the contexts differ).
-    agreeing = sum(next((i for i, (a, b) in enumerate(zip(f, q)) if a != b), len(f))
-                   for f, q in zip(full, fp8))
-    rate = agreeing / sum(len(f) for f in full)
+    rate = greedy_agreement(LLM(default_model_path()),
+                            LLM(default_model_path(), kv_cache_dtype="fp8"))
     print(f"fp8: {rate:.1%} of greedy tokens equal to the float32 cache's")
     assert rate >= 0.75
+
+
+@pytest.mark.gpu
+def test_fp8_on_cuda_falls_back_to_torch_in_auto_mode_and_follows_bf16(auto_backend):
+    model = default_model_path()
+    fp8 = LLM(model, device="cuda", kv_cache_dtype="fp8", kv_cache_memory="256MiB")
+    assert fp8.engine.attention_backend.name == "TORCH"
+    assert fp8.engine.runner.kv_caches[0].dtype == torch.float8_e4m3fn
+    full = LLM(model, device="cuda", kv_cache_memory="256MiB", attention_backend="TORCH")
+    rate = greedy_agreement(full, fp8)
+    print(f"CUDA fp8: {rate:.1%} of greedy tokens equal to the bfloat16 cache's")
+    assert rate >= 0.5
 
 
 def test_layers_bind_their_scales_to_the_impl(llama_path):
