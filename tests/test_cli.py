@@ -23,7 +23,7 @@ from hitchllm.config import EngineConfig
 from hitchllm.cpu_threads import default_omp_wait_policy
 from hitchllm.entrypoints.bench_throughput import fit_lengths
 from hitchllm.entrypoints.chat_history import fit_conversation
-from hitchllm.entrypoints.cli import build_parser, main, served_model
+from hitchllm.entrypoints.cli import build_parser, engine_kwargs, main, served_model
 from hitchllm.entrypoints.token_stream import stream_request
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -184,7 +184,7 @@ def test_engine_config_errors_are_one_clean_line_per_field(llama_path):
 
 @pytest.mark.parametrize("name, value", [
     ("tensor_parallel_size", 2), ("pipeline_parallel_size", 2), ("enable_lora", True),
-    ("kv_cache_dtype", "fp8"), ("trust_remote_code", True), ("max_loras", 1),
+    ("trust_remote_code", True), ("max_loras", 1),
 ])
 def test_vllm_arguments_not_supported_yet_are_refused_by_name(llama_path, name, value):
     with pytest.raises(ValueError, match=f"^{name} is not supported yet by hitchllm"):
@@ -195,6 +195,18 @@ def test_vllm_arguments_with_their_no_op_value_are_accepted(llama_path):
     config = EngineConfig(model=llama_path, tensor_parallel_size=1, enable_lora=False,
                           kv_cache_dtype="auto", trust_remote_code=False)
     assert config.model == llama_path
+
+
+def test_kv_cache_dtype_flag_reaches_the_engine(llama_path, capsys):
+    args = build_parser().parse_args(["generate", "--model", llama_path, "--prompt", "x",
+                                      "--kv-cache-dtype", "fp8"])
+    assert engine_kwargs(args)["kv_cache_dtype"] == "fp8"
+    assert main(["generate", "--model", llama_path, "--prompt", "x", "--max-tokens", "2",
+                 "--kv-cache-dtype", "fp8_e5m2", "--block-size", "4"]) == 0
+    assert main(["backends", "--model", llama_path, "--device", "cpu",
+                 "--kv-cache-dtype", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "KV cache float8_e4m3fn" in out and "an fp8 KV cache" in out
 
 
 def test_cli_config_errors_are_one_line_each_with_status_2(llama_path, capsys):

@@ -29,6 +29,10 @@ _DTYPES = {
     "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
+# kv_cache_dtype names (vLLM's) -> the fp8 format the cache stores; "fp8" means e4m3.
+_KV_CACHE_DTYPES = {
+    "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
+}
 _SIZE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3,
                "mb": 10**6, "gb": 10**9}
 
@@ -41,6 +45,15 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if key not in _DTYPES:
         raise ValueError(f"unknown dtype {name!r}; use one of float32, float16, bfloat16, auto")
     return _DTYPES[key]
+
+
+def parse_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """A ``kv_cache_dtype`` name to the dtype the cache stores (``auto``: ``model_dtype``)."""
+    if name == "auto":
+        return model_dtype
+    if name not in _KV_CACHE_DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {name!r}; use auto, fp8, fp8_e4m3 or fp8_e5m2")
+    return _KV_CACHE_DTYPES[name]
 
 
 def parse_size(value: int | str) -> int:
@@ -99,6 +112,9 @@ class EngineConfig(BaseModel):
     model: str = Field(default_factory=default_model_path)
     tokenizer: str | None = None
     dtype: str = "auto"
+    # auto: the model's dtype; fp8 / fp8_e4m3 / fp8_e5m2: fp8 with per-layer scales (half
+    # the bytes of bfloat16), served by backends that accept it (TORCH).
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
     # Default from HITCHLLM_DEVICE when set (handy to pin a test run), else "auto".
     device: str = Field(default_factory=lambda: os.environ.get("HITCHLLM_DEVICE", "auto"))
     attention_backend: str | None = None
@@ -198,6 +214,10 @@ class EngineConfig(BaseModel):
             return checkpoint_dtype
         return torch.bfloat16
 
+    def resolve_kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the KV cache stores: ``auto`` is the model's ``model_dtype``."""
+        return parse_kv_cache_dtype(self.kv_cache_dtype, model_dtype)
+
 
 @dataclass
 class ModelConfig:
@@ -225,7 +245,22 @@ class ModelConfig:
     checkpoint_dtype: torch.dtype
     eos_token_ids: list[int]
     sliding_window: int | None = None
+    # Multi-head latent attention (DeepSeek V2/V3 configs): the compressed KV width and the
+    # rotary part of the key, cached together per token. None for other models.
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def use_mla(self) -> bool:
+        return self.kv_lora_rank is not None
+
+    @property
+    def mla_latent_width(self) -> int | None:
+        """Width of the latent vector an MLA layer caches per token (None without MLA)."""
+        if self.kv_lora_rank is None:
+            return None
+        return self.kv_lora_rank + (self.qk_rope_head_dim or 0)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
@@ -264,6 +299,8 @@ class ModelConfig:
             checkpoint_dtype=parse_dtype(dtype_name),
             eos_token_ids=eos_ids,
             sliding_window=_read_sliding_window(raw),
+            kv_lora_rank=raw.get("kv_lora_rank"),
+            qk_rope_head_dim=raw.get("qk_rope_head_dim"),
             hf_config=raw,
         )
 

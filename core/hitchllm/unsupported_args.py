@@ -24,7 +24,6 @@ VLLM_ARGS_NOT_SUPPORTED: dict[str, tuple[Any, str]] = {
     "enable_lora": (False, ""),
     "max_loras": (_NEVER, ""),
     "max_lora_rank": (_NEVER, ""),
-    "kv_cache_dtype": ("auto", "the KV cache uses the model's dtype"),
     "trust_remote_code": (False, "it runs only its own model classes"),
     "cpu_offload_gb": (0.0, ""),
     "swap_space": (_NEVER, "preempted requests are recomputed"),

@@ -9,6 +9,13 @@ from hitchllm.attention.backend import (
     CudaGraphSupport,
 )
 from hitchllm.attention.forward_context import get_forward_context, set_forward_context
+from hitchllm.attention.kv_cache_spec import (
+    FP8_DTYPES,
+    KVCacheKind,
+    KVCacheSpec,
+    bytes_per_shared_block,
+)
+from hitchllm.attention.kv_quant import dequantize_kv, quantize_kv
 from hitchllm.attention.layer import Attention
 from hitchllm.attention.paged_write import (
     kernel_reasons,
@@ -19,6 +26,7 @@ from hitchllm.attention.paged_write import (
 from hitchllm.attention.torch_backend import TorchAttentionBackend
 
 __all__ = [
+    "FP8_DTYPES",
     "Attention",
     "AttentionBackend",
     "AttentionImpl",
@@ -26,11 +34,16 @@ __all__ = [
     "AttentionSpec",
     "CommonAttentionMetadata",
     "CudaGraphSupport",
+    "KVCacheKind",
+    "KVCacheSpec",
     "TorchAttentionBackend",
+    "bytes_per_shared_block",
+    "dequantize_kv",
     "get_forward_context",
     "kernel_reasons",
     "nhd_cache_shape",
     "pad_rows",
+    "quantize_kv",
     "set_forward_context",
     "write_nhd",
 ]

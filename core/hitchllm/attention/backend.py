@@ -20,6 +20,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from hitchllm.attention.kv_cache_spec import KVCacheKind, KVCacheSpec
+
 
 @dataclass(frozen=True)
 class AttentionSpec:
@@ -27,12 +29,16 @@ class AttentionSpec:
 
     device_type: str
     dtype: torch.dtype
+    # The dtype the cache stores: the model's, or fp8 (torch.float8_e4m3fn / float8_e5m2)
+    # with per-layer scales (see ``AttentionImpl.k_scale``).
     kv_cache_dtype: torch.dtype
     head_size: int
     num_heads: int
     num_kv_heads: int
     block_size: int
     device_capability: tuple[int, int] | None = None
+    # Multi-head latent attention: then ``head_size`` is the latent width the cache stores per
+    # token (kv_lora_rank + rope dim) and ``num_kv_heads`` is 1.
     use_mla: bool = False
     sliding_window: int | None = None
     logits_soft_cap: float | None = None
@@ -95,7 +101,15 @@ class CudaGraphSupport(enum.Enum):
 
 
 class AttentionImpl(ABC):
-    """Runs one layer's attention with one kernel family."""
+    """Runs one layer's attention with one kernel family.
+
+    ``k_scale`` and ``v_scale`` are the layer's fp8 KV-cache scales (float32 scalars on the
+    device, stored value = K / k_scale), bound by the ``Attention`` layer; a backend that
+    accepts an fp8 ``kv_cache_dtype`` divides by them on write and multiplies on read.
+    """
+
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
 
     def __init__(
         self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, spec: AttentionSpec
@@ -160,6 +174,18 @@ class AttentionBackend(ABC):
         cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
     ) -> tuple[int, ...]:
         """Shape of one layer's KV-cache tensor holding ``num_blocks`` blocks."""
+
+    @classmethod
+    def get_kv_cache_shape_for_spec(cls, num_blocks: int, kv_spec: KVCacheSpec) -> tuple[int, ...]:
+        """Shape of the cache tensor of a layer that declares ``kv_spec``; the engine
+        allocates it in ``kv_spec.dtype``. The default serves keys and values through
+        ``get_kv_cache_shape``; a backend whose layout depends on more of the spec (an MLA
+        backend's one latent vector per token) overrides this instead."""
+        if kv_spec.kind is KVCacheKind.MLA_LATENT:
+            raise ValueError(f"{cls.name} declares no layout for an MLA latent cache "
+                             "(an MLA backend overrides get_kv_cache_shape_for_spec)")
+        return cls.get_kv_cache_shape(num_blocks, kv_spec.block_size, kv_spec.num_kv_heads,
+                                      kv_spec.head_size)
 
     @classmethod
     @abstractmethod

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from hitchllm.attention.backend import AttentionSpec
+from hitchllm.attention.kv_cache_spec import FP8_DTYPES
 
 
 def nhd_cache_shape(
@@ -45,15 +46,19 @@ def kernel_reasons(
 ) -> list[str]:
     """Reasons an attention kernel (by default a half-precision GPU one) cannot serve
     ``spec``: an MLA model, a dtype outside ``dtypes``, a KV-cache dtype other than the
-    model's, query heads that are not a multiple of the KV heads. A backend adds its own
-    (device, head sizes, ...)."""
+    model's (fp8 included), query heads that are not a multiple of the KV heads. A backend
+    adds its own (device, head sizes, ...)."""
     reasons = []
     if spec.use_mla:
         reasons.append("MLA models need an MLA backend (FLASHINFER_MLA or TRITON_MLA)")
     if spec.dtype not in dtypes:
         names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
         reasons.append(f"dtype {spec.dtype} is not supported (use {names})")
-    if spec.kv_cache_dtype != spec.dtype:
+    if spec.kv_cache_dtype in FP8_DTYPES:
+        reasons.append(f"an fp8 KV cache ({spec.kv_cache_dtype}) is not supported: this "
+                       "backend's kernels read K/V in the model dtype (use kv_cache_dtype=auto, "
+                       "or the TORCH backend for fp8)")
+    elif spec.kv_cache_dtype != spec.dtype:
         reasons.append(f"KV-cache dtype {spec.kv_cache_dtype} differs from the model dtype "
                        f"{spec.dtype}; this backend needs them equal")
     if spec.num_heads % spec.num_kv_heads:

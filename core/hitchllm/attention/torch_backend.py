@@ -6,6 +6,10 @@ written for clarity first: each step gathers each request's context from the pag
 contiguous tensors. Requests with several new tokens (prompts) attend one by one through SDPA,
 causal without a mask where they have no cached prefix; decodes attend together, padded to the
 longest context, with a grouped matmul that never copies K/V per query head.
+
+The cache holds K/V in the model's dtype or in fp8 (``kv_cache_dtype``): fp8 values are
+quantized on write with the layer's ``k_scale`` / ``v_scale`` and dequantized as they are
+gathered, so attention itself always runs in the model's dtype.
 """
 
 from __future__ import annotations
@@ -23,8 +27,16 @@ from hitchllm.attention.backend import (
     AttentionSpec,
     CommonAttentionMetadata,
 )
+from hitchllm.attention.kv_cache_spec import FP8_DTYPES
+from hitchllm.attention.kv_quant import dequantize_kv, quantize_kv
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor viewed as uint8 (the same bytes): PyTorch's indexed copies and
+    selections are not implemented for float8 dtypes on every device."""
+    return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
 
 
 @dataclass
@@ -146,20 +158,26 @@ class TorchAttentionImpl(AttentionImpl):
         # so the write needs no data-dependent indexing (which would sync with the host).
         sink = flat_k.shape[1] - block_size
         slots = torch.where(slot_mapping < 0, torch.full_like(slot_mapping, sink), slot_mapping)
-        flat_k.index_copy_(1, slots, key[: len(slots)].transpose(0, 1).to(flat_k.dtype))
-        flat_v.index_copy_(1, slots, value[: len(slots)].transpose(0, 1).to(flat_v.dtype))
+        n = len(slots)
+        new_k = quantize_kv(key[:n], self.k_scale, flat_k.dtype).transpose(0, 1)
+        new_v = quantize_kv(value[:n], self.v_scale, flat_v.dtype).transpose(0, 1)
+        _as_bytes(flat_k).index_copy_(1, slots, _as_bytes(new_k))
+        _as_bytes(flat_v).index_copy_(1, slots, _as_bytes(new_v))
 
     def _gather(
-        self, cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int, dtype: torch.dtype
+        self, cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int, dtype: torch.dtype,
+        scale: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Whole blocks of ``block_table`` ([..., cols]) as [kv_heads, ..., cols * block, d]."""
+        """Whole blocks of ``block_table`` ([..., cols]) as [kv_heads, ..., cols * block, d]
+        in ``dtype`` (an fp8 cache dequantized with ``scale``)."""
         block_size = cache.shape[2]
         blocks = block_table.reshape(-1).long()
         # Selecting rows of a [kv_heads, blocks, block_size * d] view copies whole blocks at
         # a time (up to 1.5x faster on CPU than selecting along dim 1 of the 4-d cache).
-        rows = cache.view(self.num_kv_heads, cache.shape[1], -1).index_select(1, blocks)
+        rows = _as_bytes(cache.view(self.num_kv_heads, cache.shape[1], -1))
+        rows = rows.index_select(1, blocks).view(cache.dtype)
         shape = (self.num_kv_heads, *block_table.shape, block_size, self.head_size)
-        return rows.view(shape).flatten(-3, -2)[..., :num_tokens, :].to(dtype)
+        return dequantize_kv(rows.view(shape).flatten(-3, -2)[..., :num_tokens, :], scale, dtype)
 
     def attend_prefills(
         self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -181,8 +199,8 @@ class TorchAttentionImpl(AttentionImpl):
         q_len = q.shape[0]
         seq_len = context_len + q_len
         cols = -(-seq_len // key_cache.shape[2])
-        k = self._gather(key_cache, block_table[:cols], seq_len, q.dtype)[None]
-        v = self._gather(value_cache, block_table[:cols], seq_len, q.dtype)[None]
+        k = self._gather(key_cache, block_table[:cols], seq_len, q.dtype, self.k_scale)[None]
+        v = self._gather(value_cache, block_table[:cols], seq_len, q.dtype, self.v_scale)[None]
         q = q.transpose(0, 1)[None]  # [1, heads, q_len, d]
         gqa = self.num_heads != self.num_kv_heads
         window = self.spec.sliding_window
@@ -207,8 +225,8 @@ class TorchAttentionImpl(AttentionImpl):
         longest context, with a mask."""
         n, max_q, max_k = b.num_reqs, b.max_query_len, b.max_seq_len
         cols = min(-(-max_k // key_cache.shape[2]), b.block_table.shape[1])
-        k = self._gather(key_cache, b.block_table[:, :cols], max_k, query.dtype)
-        v = self._gather(value_cache, b.block_table[:, :cols], max_k, query.dtype)
+        k = self._gather(key_cache, b.block_table[:, :cols], max_k, query.dtype, self.k_scale)
+        v = self._gather(value_cache, b.block_table[:, :cols], max_k, query.dtype, self.v_scale)
 
         q = query.new_zeros(n, max_q, self.num_heads, self.head_size)
         q[b.token_req, b.token_qpos] = query
@@ -255,6 +273,9 @@ class TorchAttentionBackend(AttentionBackend):
             reasons.append("MLA models need an MLA attention backend from a plugin")
         if spec.dtype not in _SUPPORTED_DTYPES:
             reasons.append(f"dtype {spec.dtype} is not supported (use float32/float16/bfloat16)")
+        if spec.kv_cache_dtype != spec.dtype and spec.kv_cache_dtype not in FP8_DTYPES:
+            reasons.append(f"KV-cache dtype {spec.kv_cache_dtype} is not supported (use the "
+                           "model dtype, or fp8_e4m3 / fp8_e5m2)")
         if spec.num_heads % spec.num_kv_heads:
             reasons.append(
                 f"{spec.num_heads} query heads are not a multiple of {spec.num_kv_heads} KV heads"

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from hitchllm.attention import AttentionSpec
+from hitchllm.attention import AttentionSpec, bytes_per_shared_block
 from hitchllm.attention.selector import select_attention_backend
 from hitchllm.config import EngineConfig, ModelConfig, parse_size
 from hitchllm.engine.cuda_graphs import default_capture_sizes
@@ -88,14 +88,17 @@ class LLMEngine:
         self.eos_token_ids = tuple(dict.fromkeys(
             ([] if eos is None else [eos]) + list(mc.eos_token_ids)))
 
+        self.kv_cache_dtype = config.resolve_kv_cache_dtype(self.dtype)
         spec = AttentionSpec.for_device(
             self.device,
             dtype=self.dtype,
-            kv_cache_dtype=self.dtype,
-            head_size=mc.head_dim,
+            kv_cache_dtype=self.kv_cache_dtype,
+            # An MLA model caches one latent vector per token: its width is the "head size".
+            head_size=mc.mla_latent_width or mc.head_dim,
             num_heads=mc.num_attention_heads,
-            num_kv_heads=mc.num_key_value_heads,
+            num_kv_heads=1 if mc.use_mla else mc.num_key_value_heads,
             block_size=config.block_size,
+            use_mla=mc.use_mla,
             sliding_window=mc.sliding_window,
         )
         self.attention_backend = select_attention_backend(
@@ -128,10 +131,11 @@ class LLMEngine:
         self.runner.initialize_kv_cache(self.num_kv_blocks)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d, so at most %.2f "
-            "requests of full length at once; device %s, %s",
+            "requests of full length at once; device %s, %s, KV cache %s",
             self.num_kv_blocks, config.block_size, self.kv_capacity_tokens, self.max_model_len,
             self.kv_capacity_tokens / self.max_model_len, self.device,
             str(self.dtype).removeprefix("torch."),
+            str(self.kv_cache_dtype).removeprefix("torch."),
         )
         if not config.enforce_eager:
             self.runner.capture_cuda_graphs()
@@ -173,12 +177,11 @@ class LLMEngine:
         return asked
 
     def _num_kv_blocks(self, memory_at_start: MemorySnapshot | None) -> int:
-        cfg, mc = self.config, self.model_config
+        cfg = self.config
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        per_block = (2 * mc.num_hidden_layers * cfg.block_size * mc.num_key_value_heads
-                     * mc.head_dim * elem)
+        # One block of the shared pool holds a page in every layer's cache.
+        per_block = bytes_per_shared_block(self.runner.kv_cache_specs)
         if cfg.kv_cache_memory is not None:
             budget = parse_size(cfg.kv_cache_memory)
         elif memory_at_start is not None:

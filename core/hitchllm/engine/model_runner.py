@@ -16,6 +16,8 @@ from hitchllm.attention import (
     AttentionSpec,
     CommonAttentionMetadata,
     CudaGraphSupport,
+    KVCacheKind,
+    KVCacheSpec,
     set_forward_context,
 )
 from hitchllm.engine.cuda_graphs import DecodeGraphs
@@ -73,6 +75,16 @@ class ModelRunner:
             (m for m in self.model.modules() if isinstance(m, Attention)),
             key=lambda m: m.layer_index,
         )
+        # What each layer caches per token, in the layers' order: sizes the cache and shapes
+        # each layer's tensor.
+        self.kv_cache_specs: list[KVCacheSpec] = [
+            layer.get_kv_cache_spec(spec.block_size, spec.kv_cache_dtype) for layer in self.layers
+        ]
+        if any((s.kind is KVCacheKind.MLA_LATENT) != spec.use_mla for s in self.kv_cache_specs):
+            raise ValueError(
+                f"with use_mla={spec.use_mla} every attention layer must declare "
+                f"{'an' if spec.use_mla else 'no'} MLA latent KV cache; the layers declare "
+                f"{sorted({s.kind.value for s in self.kv_cache_specs})}")
         self.kv_caches: list[torch.Tensor] = []
         # Uniform decode batches up to the largest size are padded to a capture size (and
         # replayed from a graph once ``capture_cuda_graphs`` ran), so eager and graph runs of
@@ -96,16 +108,15 @@ class ModelRunner:
     # ---- set-up ------------------------------------------------------------------------
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate every layer's KV cache with ``num_blocks`` blocks and bind it."""
+        """Allocate every layer's KV cache with ``num_blocks`` blocks, as its spec declares,
+        and bind it."""
         self.kv_caches = []
         for layer in self.layers:
             layer.bind(None, None)  # drop an earlier cache before allocating the next
         impl_cls = self.backend.get_impl_cls()
-        for layer in self.layers:
-            shape = self.backend.get_kv_cache_shape(
-                num_blocks, self.block_size, layer.num_kv_heads, layer.head_size
-            )
-            cache = torch.zeros(shape, dtype=self.spec.kv_cache_dtype, device=self.device)
+        for layer, kv_spec in zip(self.layers, self.kv_cache_specs):
+            shape = self.backend.get_kv_cache_shape_for_spec(num_blocks, kv_spec)
+            cache = torch.zeros(shape, dtype=kv_spec.dtype, device=self.device)
             impl = impl_cls(layer.num_heads, layer.head_size, layer.scale, layer.num_kv_heads,
                             self.spec)
             layer.bind(impl, cache)

@@ -10,14 +10,16 @@ from hitchllm.attention.selector import (
     rank_backends,
     select_attention_backend,
 )
-from hitchllm.config import ModelConfig, parse_dtype
+from hitchllm.config import ModelConfig, parse_dtype, parse_kv_cache_dtype
 from hitchllm.plugins import get_plugin_registry
 
 # The shape shown when no model is given: 32 query heads, 8 KV heads, head size 128.
 _DEFAULT_SHAPE = {"head_size": 128, "num_heads": 32, "num_kv_heads": 8}
 
 
-def _spec(model: str | None, device_name: str, dtype_name: str, block_size: int) -> AttentionSpec:
+def _spec(
+    model: str | None, device_name: str, dtype_name: str, block_size: int, kv_cache_dtype: str
+) -> AttentionSpec:
     if device_name == "auto":
         device_name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device_name)
@@ -33,20 +35,26 @@ def _spec(model: str | None, device_name: str, dtype_name: str, block_size: int)
                  "num_kv_heads": mc.num_key_value_heads}
         window = mc.sliding_window
     return AttentionSpec.for_device(
-        device, dtype=dtype, kv_cache_dtype=dtype, block_size=block_size,
+        device, dtype=dtype, kv_cache_dtype=parse_kv_cache_dtype(kv_cache_dtype, dtype),
+        block_size=block_size,
         sliding_window=window, **shape,
     )
 
 
-def print_backends(model: str | None, device: str, dtype: str, block_size: int) -> int:
+def print_backends(
+    model: str | None, device: str, dtype: str, block_size: int, kv_cache_dtype: str = "auto"
+) -> int:
     """Print the table; returns a process exit code (1 when no backend is valid)."""
-    spec = _spec(model, device, dtype, block_size)
+    spec = _spec(model, device, dtype, block_size, kv_cache_dtype)
     registry = get_plugin_registry()
     candidates = rank_backends(spec, registry)
     print(f"device {spec.device_type}"
           + (f" (sm_{spec.device_capability[0]}{spec.device_capability[1]})"
              if spec.device_capability else "")
-          + f", dtype {str(spec.dtype).removeprefix('torch.')}, head size {spec.head_size}, "
+          + f", dtype {str(spec.dtype).removeprefix('torch.')}"
+          + (f", KV cache {str(spec.kv_cache_dtype).removeprefix('torch.')}"
+             if spec.kv_cache_dtype != spec.dtype else "")
+          + f", head size {spec.head_size}, "
           f"heads {spec.num_heads}/{spec.num_kv_heads}, block size {spec.block_size}")
     rows = [("NAME", "PRIORITY", "FROM", "VALID")]
     for c in candidates:

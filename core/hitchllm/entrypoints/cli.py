@@ -24,6 +24,8 @@ def add_engine_args(
                    help="checkpoint directory (default: the bundled code model)")
     g.add_argument("--tokenizer", help="tokenizer directory (default: the model's)")
     g.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    g.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   help="auto (the model's dtype, default) or fp8 (fp8_e4m3; also fp8_e5m2)")
     g.add_argument("--device", help="auto (default), cpu or cuda[:N]")
     g.add_argument("--attention-backend", help="force a backend by name (see `hitchllm backends`)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
@@ -54,9 +56,9 @@ def add_engine_args(
             g.add_argument(flag, type=kind, help=argparse.SUPPRESS)
 
 
-ENGINE_FLAGS = ["tokenizer", "dtype", "device", "attention_backend", "block_size",
-                "num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization", "max_model_len",
-                "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
+ENGINE_FLAGS = ["tokenizer", "dtype", "kv_cache_dtype", "device", "attention_backend",
+                "block_size", "num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization",
+                "max_model_len", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
                 "scheduling_policy", "seed", "enforce_eager", "enable_fusion",
                 "async_scheduling", *VLLM_ARGS_NOT_SUPPORTED]
 
@@ -206,7 +208,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_backends(args: argparse.Namespace) -> int:
     from hitchllm.entrypoints.backends_table import print_backends
 
-    return print_backends(args.model, args.device, args.dtype, args.block_size)
+    return print_backends(args.model, args.device, args.dtype, args.block_size,
+                          args.kv_cache_dtype)
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
@@ -271,6 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
     p.set_defaults(func=cmd_backends)
 
     p = sub.add_parser("tiny-model", help="write a tiny random checkpoint (for trying things out)")

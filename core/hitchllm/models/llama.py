@@ -84,7 +84,8 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary = rotary
         self.attn = Attention(
-            self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5, layer_index
+            self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5, layer_index,
+            sliding_window=config.sliding_window,
         )
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:

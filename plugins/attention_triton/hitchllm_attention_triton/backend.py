@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from hitchllm.attention import (
+    FP8_DTYPES,
     AttentionBackend,
     AttentionImpl,
     AttentionMetadataBuilder,
@@ -200,7 +201,11 @@ class TritonAttentionBackend(AttentionBackend):
                                "interpreter (use float32 or float16)")
         else:
             reasons.append(f"device type {spec.device_type!r} is not supported (CUDA only)")
-        if spec.kv_cache_dtype != spec.dtype:
+        if spec.kv_cache_dtype in FP8_DTYPES:
+            reasons.append(f"an fp8 KV cache ({spec.kv_cache_dtype}) is not supported: the "
+                           "kernels read K/V in the model dtype (use kv_cache_dtype=auto, or "
+                           "the TORCH backend for fp8)")
+        elif spec.kv_cache_dtype != spec.dtype:
             reasons.append("a KV-cache dtype different from the model dtype is not supported")
         if spec.head_size > MAX_HEAD_SIZE:
             reasons.append(f"head size {spec.head_size} is above {MAX_HEAD_SIZE}")
