@@ -10,47 +10,41 @@ from hitchllm import LLM, SamplingParams
 
 PROPOSERS = """
 from hitchllm import hookimpl
+from hitchllm.speculative import Draft, Proposal, Proposer
 
 # Set by the test: request prompt (tuple) -> the full greedy continuation.
 ORACLE = {}
 STATS = {"proposed": 0}
 
 
-class Oracle:
+class Oracle(Proposer):
     '''Proposes the true greedy continuation: every draft should be accepted.'''
 
-    def __init__(self, engine_config):
-        self.k = engine_config.num_speculative_tokens
-
-    def propose(self, requests):
+    def propose(self, batch):
         drafts = {}
-        for r in requests:
-            full = ORACLE[tuple(r.prompt_token_ids)]
-            n = r.num_output_tokens
-            drafts[r.request_id] = full[n:n + self.k]
-            STATS["proposed"] += len(drafts[r.request_id])
-        return drafts
+        for r in batch.requests:
+            full = ORACLE[tuple(r.token_ids[:r.num_prompt_tokens])]
+            n = len(r.token_ids) - r.num_prompt_tokens
+            drafts[r.request_id] = Draft(full[n:n + r.max_num_drafts])
+            STATS["proposed"] += len(drafts[r.request_id].token_ids)
+        return Proposal(drafts)
 
 
-class Wrong:
+class Wrong(Proposer):
     '''Proposes tokens the model never picks first: every draft should be rejected.'''
 
-    def __init__(self, engine_config):
-        self.k = engine_config.num_speculative_tokens
-
-    def propose(self, requests):
-        return {r.request_id: [(r.all_token_ids[-1] + 1 + i) % 500 for i in range(self.k)]
-                for r in requests}
+    def propose(self, batch):
+        k = self.engine_config.num_speculative_tokens
+        return Proposal({r.request_id: Draft([(r.token_ids[-1] + 1 + i) % 500 for i in range(k)])
+                         for r in batch.requests})
 
 
-class Repeat:
+class Repeat(Proposer):
     '''n-gram style: repeat the last token; sometimes right, sometimes wrong.'''
 
-    def __init__(self, engine_config):
-        self.k = engine_config.num_speculative_tokens
-
-    def propose(self, requests):
-        return {r.request_id: [r.all_token_ids[-1]] * self.k for r in requests}
+    def propose(self, batch):
+        k = self.engine_config.num_speculative_tokens
+        return Proposal({r.request_id: Draft([r.token_ids[-1]] * k) for r in batch.requests})
 
 
 @hookimpl
