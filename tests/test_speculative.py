@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from fake_dists import install_fake_plugin
 from test_models_hf_parity import greedy, mixed_prompts, run
 
 from hitchllm import LLM, SamplingParams
 
 PROPOSERS = """
+import torch
+
 from hitchllm import hookimpl
+from hitchllm.config import ModelConfig
 from hitchllm.speculative import Draft, Proposal, Proposer
 
 # Set by the test: request prompt (tuple) -> the full greedy continuation.
 ORACLE = {}
 STATS = {"proposed": 0}
+# (token ids of each request, hidden states) per call of the recorder.
+RECORDED = []
 
 
 class Oracle(Proposer):
@@ -47,9 +53,42 @@ class Repeat(Proposer):
         return Proposal({r.request_id: Draft([r.token_ids[-1]] * k) for r in batch.requests})
 
 
+class Sampled(Proposer):
+    '''Drafts drawn from random distributions that it returns as probs (for every other
+    request: the rest are verified as point masses in the same batch).'''
+
+    def __init__(self, engine_config):
+        super().__init__(engine_config)
+        self.vocab_size = ModelConfig.from_pretrained(engine_config.model).vocab_size
+        self.gen = torch.Generator().manual_seed(0)
+
+    def propose(self, batch):
+        drafts = {}
+        for r in batch.requests:
+            k = r.max_num_drafts
+            q = torch.rand(k, self.vocab_size, generator=self.gen) ** 8
+            q = q / q.sum(-1, keepdim=True)
+            ids = torch.multinomial(q, 1, generator=self.gen).squeeze(1).tolist() if k else []
+            with_probs = int(r.request_id.rsplit("_", 1)[-1]) % 2 == 0
+            drafts[r.request_id] = Draft(ids, q if with_probs else None)
+        return Proposal(drafts)
+
+
+class Recorder(Proposer):
+    '''A model-based proposer's view: records the hidden states it is given.'''
+
+    needs_hidden_states = True
+
+    def propose(self, batch):
+        RECORDED.append(([list(r.token_ids) for r in batch.requests], batch.hidden_states))
+        return Proposal({r.request_id: Draft([r.token_ids[-1]] * r.max_num_drafts)
+                         for r in batch.requests})
+
+
 @hookimpl
 def hitchllm_speculative_proposers():
-    return {"oracle": Oracle, "wrong": Wrong, "repeat": Repeat}
+    return {"oracle": Oracle, "wrong": Wrong, "repeat": Repeat, "sampled": Sampled,
+            "recorder": Recorder}
 """
 
 
@@ -111,3 +150,58 @@ def test_unknown_speculative_method_is_explained(llama_path):
         LLM(llama_path, speculative_method="medusa", num_speculative_tokens=2)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         LLM(llama_path, speculative_method="ngram")
+
+
+def test_sampled_drafts_with_probs_leave_greedy_outputs_unchanged(tiny_models, proposers):
+    """Random drafts with random draft distributions, in batches that mix greedy and random
+    requests: the greedy ones still produce exactly their tokens without speculation."""
+    path = tiny_models["LlamaForCausalLM"]
+    prompts = mixed_prompts(5, lengths=(3, 17, 30, 9))
+    baseline = run(LLM(path, block_size=4), prompts)
+    llm = LLM(path, block_size=4, speculative_method="sampled", num_speculative_tokens=3)
+    sampled = SamplingParams(temperature=1.0, top_k=20, max_tokens=16, min_tokens=16, seed=3)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    outs = llm.generate(requests + requests, [greedy()] * len(prompts) + [sampled] * len(prompts),
+                        use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs[: len(prompts)]] == baseline
+    assert all(len(o.outputs[0].token_ids) == 16 for o in outs[len(prompts):])
+    assert llm.engine.kv_cache.usage == 0.0
+
+
+def test_model_based_proposer_gets_the_targets_final_hidden_states(tiny_models, proposers):
+    """Row i of ``hidden_states`` is the target's final hidden state (the LM head's input) at
+    the position that produced request i's newest token, also after drafts were accepted
+    or rejected; checked against transformers' last hidden state for that prefix."""
+    from reference import hf_model
+
+    path = tiny_models["LlamaForCausalLM"]
+    llm = LLM(path, block_size=4, speculative_method="recorder", num_speculative_tokens=2)
+    prompts = mixed_prompts(7, lengths=(5, 12))
+    run(llm, prompts, max_tokens=8)
+    hf = hf_model(path)
+    checked = 0
+    for token_ids, hidden in proposers.RECORDED:
+        assert hidden.shape == (len(token_ids), hf.config.hidden_size)
+        for ids, row in zip(token_ids, hidden):
+            with torch.no_grad():
+                ref = hf.model(torch.tensor([ids[:-1]])).last_hidden_state[0, -1]
+            torch.testing.assert_close(row.float(), ref, rtol=1e-4, atol=1e-4)
+            checked += 1
+    assert checked >= 2 * 6
+
+
+def test_proposer_from_before_the_protocol_is_refused(llama_path, monkeypatch):
+    class OldStyle:
+        def __init__(self, engine_config):
+            pass
+
+        def propose(self, requests):
+            return {}
+
+    from hitchllm.plugins import get_plugin_registry
+
+    registry = get_plugin_registry()
+    monkeypatch.setattr(registry.hook, "hitchllm_speculative_proposers",
+                        lambda: [{"old": OldStyle}])
+    with pytest.raises(TypeError, match="hitchllm.speculative.Proposer"):
+        LLM(llama_path, speculative_method="old", num_speculative_tokens=2)

@@ -16,10 +16,12 @@ distribution is the target model's whatever the drafts are:
   from the target at the position after the last draft;
 - greedy requests accept a draft exactly when it is the target's argmax.
 
-A proposer that gives no ``probs`` is treated as deterministic (``q_j`` is a point mass on the
-draft: accept with probability ``p_j(d_j)``, else sample ``p_j`` without ``d_j``). That is exact
-for token-only proposers such as n-gram lookup; a proposer that *samples* its drafts must return
-their ``probs``, or the output is biased towards its drafts.
+Without ``probs`` a draft is verified as a point mass (accepted with probability ``p_j(d_j)``,
+else ``p_j`` without ``d_j`` is sampled). The output is exact either way; what ``probs`` buys a
+proposer that samples its drafts is acceptance: ``sum_x min(p_j(x), q_j(x))`` instead of
+``sum_x p_j(x) q_j(x)`` (for ``q = p``, 1 instead of ``sum_x p_j(x)^2``). Give the distribution
+the drafts were really drawn from: ``probs`` that do not match how the drafts were chosen (a
+greedy draft with a smoothed ``q``) bias the output.
 """
 
 from __future__ import annotations
