@@ -31,9 +31,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
-import torch
-
 if TYPE_CHECKING:
+    import torch
+
     from hitchllm.config import EngineConfig
 
 
