@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from fake_dists import install_fake_plugin
@@ -21,6 +23,10 @@ ORACLE = {}
 STATS = {"proposed": 0}
 # (token ids of each request, hidden states) per call of the recorder.
 RECORDED = []
+# [vocab_size] distribution FixedDistribution draws from (a one-element list, set by the test).
+DRAFT_PROBS = []
+# Request id -> the drafts FixedDistribution made for it last.
+DRAFTED = {}
 
 
 class Oracle(Proposer):
@@ -74,6 +80,24 @@ class Sampled(Proposer):
         return Proposal(drafts)
 
 
+class FixedDistribution(Proposer):
+    '''One draft per step, sampled from DRAFT_PROBS (set by the test), given as probs.'''
+
+    def __init__(self, engine_config):
+        super().__init__(engine_config)
+        self.gen = torch.Generator().manual_seed(0)
+
+    def propose(self, batch):
+        q = DRAFT_PROBS[0]
+        drafts = {}
+        for r in batch.requests:
+            k = r.max_num_drafts
+            ids = torch.multinomial(q, k, replacement=True, generator=self.gen).tolist()
+            drafts[r.request_id] = Draft(ids, q.expand(k, -1))
+            DRAFTED[r.request_id] = ids
+        return Proposal(drafts)
+
+
 class Recorder(Proposer):
     '''A model-based proposer's view: records the hidden states it is given.'''
 
@@ -88,7 +112,7 @@ class Recorder(Proposer):
 @hookimpl
 def hitchllm_speculative_proposers():
     return {"oracle": Oracle, "wrong": Wrong, "repeat": Repeat, "sampled": Sampled,
-            "recorder": Recorder}
+            "recorder": Recorder, "fixed": FixedDistribution}
 """
 
 
@@ -205,3 +229,46 @@ def test_proposer_from_before_the_protocol_is_refused(llama_path, monkeypatch):
                         lambda: [{"old": OldStyle}])
     with pytest.raises(TypeError, match="hitchllm.speculative.Proposer"):
         LLM(llama_path, speculative_method="old", num_speculative_tokens=2)
+
+
+def test_sampled_tokens_follow_the_target_with_draft_probs(tiny_models, proposers):
+    """Through the engine: the second token is verified against a draft drawn from a fixed q
+    unlike the target; the first two tokens must follow transformers' float64 distribution
+    (temperature, top-k) within a chi-square bound."""
+    from reference import hf_model
+    from test_rejection_sampler import assert_distribution
+
+    path = tiny_models["LlamaForCausalLM"]
+    prompt, temperature, top_k, n = [5, 17, 42], 0.8, 3, 3000
+    hf = hf_model(path)
+
+    def target(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0, -1].double() / temperature
+        kth = logits.topk(top_k).values[-1]
+        return logits.masked_fill(logits < kth, float("-inf")).softmax(-1)
+
+    p0 = target(prompt)
+    firsts = p0.nonzero().flatten().tolist()
+    seconds = {t: target([*prompt, t]) for t in firsts}
+    # Draft mass on the second position's candidates (unevenly) and on tokens it never takes.
+    support = sorted({int(t) for p in seconds.values() for t in p.nonzero()} | {7, 300})
+    q = torch.zeros(p0.shape[0])
+    q[support] = torch.rand(len(support), generator=torch.Generator().manual_seed(9)) + 0.2
+    proposers.DRAFT_PROBS[:] = [q / q.sum()]
+
+    llm = LLM(path, speculative_method="fixed", num_speculative_tokens=1, max_num_seqs=512)
+    params = SamplingParams(temperature=temperature, top_k=top_k, max_tokens=3, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": prompt}] * n, params, use_tqdm=False)
+    index = {t: i for i, t in enumerate(firsts)}
+    counts = torch.zeros(len(firsts), p0.shape[0])
+    accepted = 0
+    for o in outs:
+        t0, t1 = o.outputs[0].token_ids[:2]
+        counts[index[t0], t1] += 1
+        accepted += proposers.DRAFTED[o.request_id] == [t1]
+    joint = torch.stack([p0[t] * seconds[t] for t in firsts])
+    assert_distribution(counts, joint)
+    # The draft probs reached the sampler: acceptance is sum min(p, q), not sum p * q.
+    rate = sum(p0[t] * torch.minimum(seconds[t], q.double() / q.sum()).sum() for t in firsts)
+    assert abs(accepted / n - rate) < 5 * math.sqrt(rate * (1 - rate) / n)

@@ -49,8 +49,9 @@ class DraftRequest:
     request_id: str
     token_ids: Sequence[int]
     num_prompt_tokens: int
-    # Drafts beyond this many are dropped (num_speculative_tokens, capped so that the request
-    # stays within max_tokens and max_model_len); may be 0.
+    # Drafts beyond this many are dropped: num_speculative_tokens, capped so that the request
+    # stays within max_tokens and max_model_len; at least 1 (a request that may take no
+    # drafts is not asked).
     max_num_drafts: int
 
 

@@ -30,11 +30,19 @@ class Drafter:
 
     def propose(self, running: list[Request], output: RunnerOutput) -> None:
         """Set the drafts of every running request that sampled in the step of ``output``
-        and is decoding. A decoding request that did not run in that step keeps its drafts:
-        its context has not changed since they were made."""
+        and is decoding (none for one that may not take any more). A decoding request that did
+        not run in that step keeps its drafts: its context has not changed since they were
+        made."""
         row_of = {rid: i for i, rid in enumerate(output.sampled)}
-        decoding = [r for r in running if r.request_id in row_of
-                    and r.num_computed_tokens == r.num_tokens - 1]
+        decoding = []
+        limits = []
+        # (The scheduler cleared the old drafts of requests that sampled.)
+        for r in running:
+            if r.request_id in row_of and r.num_computed_tokens == r.num_tokens - 1:
+                limit = self._max_num_drafts(r)
+                if limit:
+                    decoding.append(r)
+                    limits.append(limit)
         if not decoding:
             return
         hidden = None
@@ -46,13 +54,13 @@ class Drafter:
                 index = host_to_device(torch.tensor(rows, dtype=torch.int64), hidden.device)
                 hidden = hidden[index]
         batch = ProposalBatch(
-            [DraftRequest(r.request_id, r.all_token_ids, r.num_prompt_tokens,
-                          self._max_num_drafts(r)) for r in decoding],
+            [DraftRequest(r.request_id, r.all_token_ids, r.num_prompt_tokens, limit)
+             for r, limit in zip(decoding, limits, strict=True)],
             hidden,
         )
         proposal = self.proposer.propose(batch)
-        for r, asked in zip(decoding, batch.requests, strict=True):
-            self._apply(r, proposal, asked.max_num_drafts)
+        for r, limit in zip(decoding, limits, strict=True):
+            self._apply(r, proposal, limit)
 
     def _max_num_drafts(self, r: Request) -> int:
         """Drafts beyond max_model_len, or beyond max_tokens counting the token that
@@ -63,15 +71,13 @@ class Drafter:
 
     def _apply(self, r: Request, proposal: Proposal, limit: int) -> None:
         draft = proposal.drafts.get(r.request_id)
-        if draft is None or limit == 0:
-            r.spec_token_ids, r.spec_token_probs = [], None
+        if draft is None:
             return
         proposed = [int(t) for t in draft.token_ids[:limit]]
         # A draft outside the vocabulary (a proposer bug) ends the draft there.
         valid = next((i for i, t in enumerate(proposed) if not 0 <= t < self.vocab_size),
                      len(proposed))
         r.spec_token_ids = proposed[:valid]
-        r.spec_token_probs = None
         if draft.probs is not None and valid:
             expected = (len(draft.token_ids), self.vocab_size)
             if tuple(draft.probs.shape) != expected:
