@@ -32,12 +32,17 @@ def exact_probs(logits: torch.Tensor, temperature: float, top_k: int = 0) -> tor
     return x.softmax(dim=-1)
 
 
-def metadata(n: int, temperature: float, top_k: int, drafts: DraftTokens,
-             gen: torch.Generator) -> SamplingMetadata:
+def metadata(
+    n: int, temperature: float, top_k: int, drafts: DraftTokens, gen: torch.Generator
+) -> SamplingMetadata:
     return SamplingMetadata(
-        temperature=torch.full((n,), temperature), all_greedy=False, all_random=True,
+        temperature=torch.full((n,), temperature),
+        all_greedy=False,
+        all_random=True,
         top_k=torch.full((n,), top_k, dtype=torch.int64) if top_k else None,
-        default_generator=gen, drafts=drafts)
+        default_generator=gen,
+        drafts=drafts,
+    )
 
 
 def interleave(*columns: torch.Tensor) -> torch.Tensor:
@@ -73,8 +78,9 @@ def test_first_token_follows_target_for_a_different_draft_distribution():
     p = exact_probs(TARGET, temperature, top_k)
     q = DRAFT.softmax(-1)
     d0 = torch.multinomial(q, N, replacement=True, generator=gen)
-    drafts = DraftTokens(interleave(d0, torch.full((N,), -1)),
-                         interleave(q.expand(N, V), torch.zeros(N, V)))
+    drafts = DraftTokens(
+        interleave(d0, torch.full((N,), -1)), interleave(q.expand(N, V), torch.zeros(N, V))
+    )
     logits = interleave(TARGET.expand(N, V), TARGET.expand(N, V))
     tokens = Sampler()(logits, metadata(2 * N, temperature, top_k, drafts, gen))
     first = tokens.sampled_token_ids.view(N, 2)[:, 0]
@@ -116,15 +122,23 @@ def test_two_drafts_give_the_targets_joint_distribution():
     q2 = draft_2.softmax(-1)
     d0 = torch.multinomial(q1, N, replacement=True, generator=gen)
     d1 = torch.multinomial(q2[d0], 1, generator=gen).squeeze(1)
-    drafts = DraftTokens(interleave(d0, d1, torch.full((N,), -1)),
-                         interleave(q1.expand(N, V), q2[d0], torch.zeros(N, V)))
+    drafts = DraftTokens(
+        interleave(d0, d1, torch.full((N,), -1)),
+        interleave(q1.expand(N, V), q2[d0], torch.zeros(N, V)),
+    )
     logits = interleave(TARGET.expand(N, V), target_2[d0], bonus.expand(N, V))
     sampler = Sampler()
     rows = sampler(logits, metadata(3 * N, temperature, 0, drafts, gen)).sampled_token_ids
     t0, t1 = rows.view(N, 3)[:, 0], rows.view(N, 3)[:, 1]
-    next_step = sampler(target_2[t0], SamplingMetadata(
-        temperature=torch.full((N,), temperature), all_greedy=False, all_random=True,
-        default_generator=gen)).sampled_token_ids
+    next_step = sampler(
+        target_2[t0],
+        SamplingMetadata(
+            temperature=torch.full((N,), temperature),
+            all_greedy=False,
+            all_random=True,
+            default_generator=gen,
+        ),
+    ).sampled_token_ids
     t1 = torch.where(t0 == d0, t1, next_step)
     joint = exact_probs(TARGET, temperature)[:, None] * exact_probs(target_2, temperature)
     assert_distribution(torch.bincount(t0 * V + t1, minlength=V * V), joint)
@@ -138,10 +152,12 @@ def test_draft_equal_to_target_is_always_accepted():
     keep = TARGET.topk(top_k).values[-1] <= TARGET
     p = (TARGET / temperature).masked_fill(~keep, float("-inf")).softmax(-1)
     d0 = torch.multinomial(p, N, replacement=True, generator=gen)
-    drafts = DraftTokens(interleave(d0, torch.full((N,), -1)),
-                         interleave(p.expand(N, V), torch.zeros(N, V)))
-    tokens = Sampler()(interleave(logits, logits),
-                       metadata(2 * N, temperature, top_k, drafts, gen)).sampled_token_ids
+    drafts = DraftTokens(
+        interleave(d0, torch.full((N,), -1)), interleave(p.expand(N, V), torch.zeros(N, V))
+    )
+    tokens = Sampler()(
+        interleave(logits, logits), metadata(2 * N, temperature, top_k, drafts, gen)
+    ).sampled_token_ids
     assert torch.equal(tokens[::2], d0)
 
 
@@ -155,14 +171,18 @@ def test_seeded_rows_with_draft_probs_do_not_depend_on_the_batch():
 
     def run(others: list[tuple[list[int], torch.Tensor | None]], at: int) -> torch.Tensor:
         requests = [*others[:at], seeded, *others[at:]]
-        rows = torch.cat([logits if r is seeded else torch.randn(len(r[0]) + 1, V)
-                          for r in requests])
+        rows = torch.cat(
+            [logits if r is seeded else torch.randn(len(r[0]) + 1, V) for r in requests]
+        )
         start = sum(len(d) + 1 for d, _ in requests[:at])
         mine = torch.Generator().manual_seed(11)
         md = SamplingMetadata(
-            temperature=torch.ones(len(rows)), all_greedy=False, all_random=True,
+            temperature=torch.ones(len(rows)),
+            all_greedy=False,
+            all_random=True,
             generators={start + j: mine for j in range(3)},
-            drafts=build_draft_tokens(requests, V, CPU))
+            drafts=build_draft_tokens(requests, V, CPU),
+        )
         return Sampler()(rows, md).sampled_token_ids[start : start + 3]
 
     a = run([([2], None)], 0)
@@ -178,8 +198,13 @@ def test_greedy_rows_take_the_argmax_whatever_the_draft_probs():
     # Request 0 (greedy): drafts [argmax of row 0, something else]; request 1 random.
     greedy_draft = [int(logits[0].argmax()), (int(logits[1].argmax()) + 1) % V]
     drafts = build_draft_tokens([(greedy_draft, q), ([1, 2], None)], V, CPU)
-    md = SamplingMetadata(temperature=torch.tensor([0.0, 0, 0, 1, 1, 1]), all_greedy=False,
-                          all_random=False, default_generator=gen, drafts=drafts)
+    md = SamplingMetadata(
+        temperature=torch.tensor([0.0, 0, 0, 1, 1, 1]),
+        all_greedy=False,
+        all_random=False,
+        default_generator=gen,
+        drafts=drafts,
+    )
     tokens = Sampler()(logits, md).sampled_token_ids
     assert torch.equal(tokens[:3], logits[:3].argmax(-1))
 

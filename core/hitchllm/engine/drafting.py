@@ -19,8 +19,12 @@ class Drafter:
     """Runs one engine's ``Proposer`` after every step."""
 
     def __init__(
-        self, proposer: Proposer, num_speculative_tokens: int, max_model_len: int,
-        vocab_size: int, device: torch.device,
+        self,
+        proposer: Proposer,
+        num_speculative_tokens: int,
+        max_model_len: int,
+        vocab_size: int,
+        device: torch.device,
     ) -> None:
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
@@ -54,8 +58,10 @@ class Drafter:
                 index = host_to_device(torch.tensor(rows, dtype=torch.int64), hidden.device)
                 hidden = hidden[index]
         batch = ProposalBatch(
-            [DraftRequest(r.request_id, r.all_token_ids, r.num_prompt_tokens, limit)
-             for r, limit in zip(decoding, limits, strict=True)],
+            [
+                DraftRequest(r.request_id, r.all_token_ids, r.num_prompt_tokens, limit)
+                for r, limit in zip(decoding, limits, strict=True)
+            ],
             hidden,
         )
         proposal = self.proposer.propose(batch)
@@ -66,8 +72,14 @@ class Drafter:
         """Drafts beyond max_model_len, or beyond max_tokens counting the token that
         always follows them, could never be output."""
         max_tokens = r.sampling_params.max_tokens or self.max_model_len
-        return max(0, min(self.num_speculative_tokens, self.max_model_len - r.num_tokens,
-                          max_tokens - r.num_output_tokens - 1))
+        return max(
+            0,
+            min(
+                self.num_speculative_tokens,
+                self.max_model_len - r.num_tokens,
+                max_tokens - r.num_output_tokens - 1,
+            ),
+        )
 
     def _apply(self, r: Request, proposal: Proposal, limit: int) -> None:
         draft = proposal.drafts.get(r.request_id)
@@ -75,8 +87,9 @@ class Drafter:
             return
         proposed = [int(t) for t in draft.token_ids[:limit]]
         # A draft outside the vocabulary (a proposer bug) ends the draft there.
-        valid = next((i for i, t in enumerate(proposed) if not 0 <= t < self.vocab_size),
-                     len(proposed))
+        valid = next(
+            (i for i, t in enumerate(proposed) if not 0 <= t < self.vocab_size), len(proposed)
+        )
         r.spec_token_ids = proposed[:valid]
         if draft.probs is not None and valid:
             expected = (len(draft.token_ids), self.vocab_size)
@@ -84,5 +97,6 @@ class Drafter:
                 raise ValueError(
                     f"{type(self.proposer).__name__} returned draft probs of shape "
                     f"{tuple(draft.probs.shape)} for request {r.request_id!r}; expected "
-                    f"{list(expected)} (one row of vocabulary probabilities per draft token)")
+                    f"{list(expected)} (one row of vocabulary probabilities per draft token)"
+                )
             r.spec_token_probs = draft.probs[:valid].to(self.device, torch.float32)

@@ -80,9 +80,7 @@ def build_draft_tokens(
     return DraftTokens(token_ids, probs)
 
 
-def rejection_sample(
-    probs: torch.Tensor, noise: torch.Tensor, drafts: DraftTokens
-) -> torch.Tensor:
+def rejection_sample(probs: torch.Tensor, noise: torch.Tensor, drafts: DraftTokens) -> torch.Tensor:
     """One token per row (see the module docstring).
 
     ``probs`` is ``[N, V]``, the target's distribution of each row as the sampler computed it;
