@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from hitchllm.config import EngineConfig
     from hitchllm.logits_processor import LogitsProcessor
     from hitchllm.request import Request
+    from hitchllm.speculative import Proposer
 
 hookspec = pluggy.HookspecMarker("hitchllm")
 # The marker for implementations (``from hitchllm import hookimpl``); defined here, beside the
@@ -93,18 +94,21 @@ def hitchllm_quantization_methods() -> dict[str, type[Any]]:
 
 
 @hookspec
-def hitchllm_speculative_proposers() -> dict[str, type[Any]]:
+def hitchllm_speculative_proposers() -> dict[str, type[Proposer]]:
     """Return a mapping of speculative method name to proposer class.
 
-    Called once per engine when ``speculative_method=NAME`` is requested. The proposer is
-    constructed as ``cls(engine_config)`` (``engine_config.num_speculative_tokens`` says how
-    many drafts to make). After each step its ``propose(requests) -> dict[str, list[int]]`` is
-    called with the running requests that are decoding (every token but the newest has its
-    K/V cached); ``request.all_token_ids`` is the context to draft from. The drafts returned
-    for a request id (at most ``num_speculative_tokens``; fewer or none is fine) become
-    ``request.spec_token_ids``: the next step computes ``1 + len(drafts)`` tokens for the
-    request and the core verifies them by rejection sampling, so the output distribution is the
-    target model's whatever the drafts are.
+    Called once per engine when ``speculative_method=NAME`` is requested. A proposer class
+    subclasses ``hitchllm.speculative.Proposer`` and is constructed as ``cls(engine_config)``
+    (``engine_config.num_speculative_tokens`` says how many drafts to make). After each step
+    its ``propose(batch: ProposalBatch) -> Proposal`` is called with the requests that sampled
+    a token in that step and keep decoding: each one's id, token ids (prompt then output) and
+    the most drafts it may use, and, when the class sets ``needs_hidden_states = True``, the
+    target model's final hidden states at the positions that produced the newest tokens. The
+    returned ``Draft`` per request id holds draft token ids and optionally ``probs``, the
+    ``[k, vocab_size]`` distribution they were sampled from. The next step computes
+    ``1 + len(drafts)`` tokens for the request and the core verifies the drafts by rejection
+    sampling (with ``probs`` when given), so the output distribution is the target model's
+    whatever the drafts are; ``probs`` raise the acceptance rate of sampled drafts.
     """
 
 

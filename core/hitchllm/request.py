@@ -5,9 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hitchllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 class RequestStatus(enum.Enum):
@@ -71,8 +74,11 @@ class Request:
     num_computed_tokens: int = 0
     # Tokens sampled (or being sampled) on the device that the host has not seen yet.
     num_pending_tokens: int = 0
-    # Draft tokens proposed by a speculative decoder for the next step.
+    # Draft tokens proposed by a speculative decoder for the next step, and the [k, V]
+    # distribution they were drawn from (None: deterministic drafts); the runner uses the rows
+    # of the drafts still in ``spec_token_ids`` (the scheduler may drop trailing ones).
     spec_token_ids: list[int] = field(default_factory=list)
+    spec_token_probs: torch.Tensor | None = None
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0

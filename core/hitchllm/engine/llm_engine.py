@@ -15,6 +15,7 @@ from hitchllm.attention import AttentionSpec, bytes_per_shared_block
 from hitchllm.attention.selector import select_attention_backend
 from hitchllm.config import EngineConfig, ModelConfig, parse_size
 from hitchllm.engine.cuda_graphs import default_capture_sizes
+from hitchllm.engine.drafting import Drafter
 from hitchllm.engine.kv_sizing import MemorySnapshot, cuda_kv_cache_bytes
 from hitchllm.engine.model_runner import ModelRunner
 from hitchllm.engine.output_processor import OutputProcessor
@@ -30,6 +31,7 @@ from hitchllm.request import Request, RequestStatus
 from hitchllm.sampling_params import SamplingParams
 from hitchllm.scheduler.policy import PreemptionPolicy
 from hitchllm.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from hitchllm.speculative import Proposer
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +157,11 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.vocab_size = mc.vocab_size
         self.proposer = self._build_proposer()
+        self.drafter: Drafter | None = None
+        if self.proposer is not None:
+            self.drafter = Drafter(self.proposer, config.num_speculative_tokens,
+                                   self.max_model_len, mc.vocab_size, self.device)
+            self.runner.keep_hidden_states = self.proposer.needs_hidden_states
         self._request_counter = itertools.count()
         # Overlap: the launched step whose tokens are not folded in yet (see ``step``).
         # (On a CPU the step is done when launched; overlapping changes nothing but the order.)
@@ -201,11 +208,11 @@ class LLMEngine:
             )
         return int(num_blocks)
 
-    def _build_proposer(self) -> Any:
+    def _build_proposer(self) -> Proposer | None:
         name = self.config.speculative_method
         if name is None:
             return None
-        proposers: dict[str, type[Any]] = {}
+        proposers: dict[str, type[Proposer]] = {}
         for result in reversed(self.registry.hook.hitchllm_speculative_proposers()):
             proposers.update(result or {})
         if name not in proposers:
@@ -214,26 +221,12 @@ class LLMEngine:
                 f"installed: {', '.join(sorted(proposers)) or 'none'} (speculative decoding "
                 "comes from a plugin that implements hitchllm_speculative_proposers)"
             )
-        return proposers[name](self.config)
-
-    def _propose_drafts(self) -> None:
-        """Ask the proposer for draft tokens for every request that is decoding."""
-        decoding = [r for r in self.scheduler.running
-                    if r.num_computed_tokens == r.num_tokens - 1]
-        if not decoding:
-            return
-        drafts = self.proposer.propose(decoding) or {}
-        for r in decoding:
-            limit = min(
-                self.config.num_speculative_tokens,
-                self.max_model_len - r.num_tokens,
-                (r.sampling_params.max_tokens or self.max_model_len) - r.num_output_tokens - 1,
-            )
-            proposed = [int(t) for t in drafts.get(r.request_id, [])[: max(0, limit)]]
-            # A draft outside the vocabulary (a proposer bug) ends the draft there.
-            valid = next((i for i, t in enumerate(proposed) if not 0 <= t < self.vocab_size),
-                         len(proposed))
-            r.spec_token_ids = proposed[:valid]
+        cls = proposers[name]
+        if not (isinstance(cls, type) and issubclass(cls, Proposer)):
+            raise TypeError(
+                f"speculative method {name!r} maps to {cls!r}, which is not a subclass of "
+                "hitchllm.speculative.Proposer; its plugin predates the proposer protocol")
+        return cls(self.config)
 
     def _block_hash_extra_keys(self, request: Request) -> tuple:
         results = self.registry.hook.hitchllm_block_hash_extra_keys(request=request)
@@ -507,8 +500,8 @@ class LLMEngine:
             updated, result.logprobs, result.prompt_logprobs)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        if self.proposer is not None:
-            self._propose_drafts()
+        if self.drafter is not None:
+            self.drafter.propose(self.scheduler.running, result)
         return outputs
 
     def stats(self) -> EngineStats:

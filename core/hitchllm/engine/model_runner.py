@@ -23,6 +23,7 @@ from hitchllm.attention import (
 from hitchllm.engine.cuda_graphs import DecodeGraphs
 from hitchllm.engine.input_batch import InputBatch
 from hitchllm.engine.prompt_logprobs import compute_prompt_logprobs
+from hitchllm.engine.rejection_sampler import build_draft_tokens
 from hitchllm.engine.runner_output import PendingOutput, RunnerOutput
 from hitchllm.engine.sampler import Sampler
 from hitchllm.engine.sampling_metadata import build_sampling_metadata
@@ -104,6 +105,9 @@ class ModelRunner:
         self._sample_rows: torch.Tensor | None = None
         self.default_generator = torch.Generator(device).manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
+        # Whether a step's output carries the final hidden states of its sampled positions
+        # (for a proposer that drafts from them); off, they cost nothing.
+        self.keep_hidden_states = False
 
     # ---- set-up ------------------------------------------------------------------------
 
@@ -243,9 +247,12 @@ class ModelRunner:
                 self.model, hidden, requests, num_computed, self.buffers.query_start_loc.np)
         if not sampling:
             return PendingOutput(prompt_logprobs=prompt_lps)
-        logits = self.model.compute_logits(hidden[logits_idx])
+        sampled_hidden = hidden[logits_idx]
+        logits = self.model.compute_logits(sampled_hidden)
         pending = self._sample(sampling, logits)
         pending.prompt_logprobs = prompt_lps
+        if self.keep_hidden_states:
+            pending.hidden_states = sampled_hidden
         return pending
 
     def _eager_forward(
@@ -385,11 +392,10 @@ class ModelRunner:
         """Sample one token per logits row and start copying them to the host.
 
         A request with drafts ``d_0..d_{k-1}`` has ``k + 1`` logits rows (one per draft
-        position plus the bonus position); row ``j`` is sampled as if ``d_0..d_{j-1}`` were
-        already output (``PendingOutput.result`` then walks the rows). This is exact rejection
-        sampling for drafts given as tokens: a draft is accepted with probability
-        ``p_j(d_j)``, and on rejection the emitted token is distributed as ``p_j`` without
-        ``d_j``.
+        position plus the bonus position); row ``j``'s distribution is computed as if
+        ``d_0..d_{j-1}`` were already output, and the sampler verifies ``d_j`` against it by
+        rejection sampling (``hitchllm.engine.rejection_sampler``), with the request's draft
+        probabilities when its proposer gave them. ``PendingOutput.result`` then walks the rows.
         """
         logit_rows = [(r, drafts[:j]) for r, drafts in sampling for j in range(len(drafts) + 1)]
         metadata = build_sampling_metadata(
@@ -405,6 +411,12 @@ class ModelRunner:
             device=self.device,
         )
         metadata.logits_edits = self._logits_edits(logit_rows)
+        if not metadata.all_greedy and len(logit_rows) > len(sampling):
+            metadata.drafts = build_draft_tokens(
+                [(drafts, r.spec_token_probs[: len(drafts)]
+                  if drafts and r.spec_token_probs is not None else None)
+                 for r, drafts in sampling],
+                self.vocab_size, self.device)
         result = self.sampler(logits, metadata)
         sampled = result.sampled_token_ids
         if self._sample_rows is not None:  # keep each row's token for a next step's input

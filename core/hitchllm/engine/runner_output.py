@@ -13,6 +13,7 @@ import torch
 
 from hitchllm.engine.prompt_logprobs import PromptLogprobs
 from hitchllm.engine.sampler import LogprobsTensors
+from hitchllm.logits_processor import host_to_device
 from hitchllm.outputs import Logprob
 from hitchllm.request import Request
 
@@ -20,11 +21,17 @@ from hitchllm.request import Request
 @dataclass
 class RunnerOutput:
     """Tokens emitted per request id this step (more than one when drafts were accepted),
-    and, when asked, one logprobs entry per emitted token."""
+    and, when asked, one logprobs entry per emitted token.
+
+    ``hidden_states`` (only when the runner keeps them) has one row per entry of ``sampled``,
+    in its order: the model's final hidden state at the position that produced the request's
+    last emitted token, on the device.
+    """
 
     sampled: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    hidden_states: torch.Tensor | None = None
 
 
 class PendingOutput:
@@ -33,6 +40,7 @@ class PendingOutput:
     ``rows`` lists the logits rows: ``(request, drafts)`` per sampling request, the request
     owning ``len(drafts) + 1`` consecutive rows of ``sampled_host``. ``sampled_host`` is a
     pinned host tensor filled by a non-blocking copy that ``ready`` marks complete.
+    ``hidden_states``, when kept, holds the final hidden state of every logits row.
     """
 
     def __init__(
@@ -48,6 +56,7 @@ class PendingOutput:
         self.ready = ready
         self.logprobs = logprobs
         self.prompt_logprobs = prompt_logprobs or {}
+        self.hidden_states: torch.Tensor | None = None
 
     def result(self) -> RunnerOutput:
         """Wait for the step's tokens and fold drafts: a request's tokens are its sampled
@@ -59,6 +68,7 @@ class PendingOutput:
             self.ready.synchronize()
         sampled = self.sampled_host.tolist()
         entries = self._logprob_entries() if self.logprobs is not None else None
+        last_rows = []
         i = 0
         for r, drafts in self.requests:
             tokens = []
@@ -67,9 +77,16 @@ class PendingOutput:
                 if j == len(drafts) or sampled[i + j] != drafts[j]:
                     break
             out.sampled[r.request_id] = tokens
+            last_rows.append(i + len(tokens) - 1)
             if entries is not None and r.sampling_params.logprobs is not None:
                 out.logprobs[r.request_id] = entries[i : i + len(tokens)]
             i += len(drafts) + 1
+        if self.hidden_states is not None:
+            out.hidden_states = self.hidden_states
+            if len(last_rows) < i:  # drafts: one of each request's rows
+                rows = torch.tensor(last_rows, dtype=torch.int64)
+                out.hidden_states = self.hidden_states[
+                    host_to_device(rows, self.hidden_states.device)]
         return out
 
     def _logprob_entries(self) -> list[dict[int, Logprob]]:

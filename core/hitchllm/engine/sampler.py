@@ -18,7 +18,8 @@ f. Random rows: divide by temperature; keep the top-k logits; of the renormalize
    token always stays); then drop tokens whose probability is below ``min_p`` times the largest;
    then sample from the renormalized distribution with the exponential race: the token is
    ``argmax(probs / q)`` with ``q ~ Exp(1)`` drawn independently per token, which picks token i
-   with probability ``probs[i]``.
+   with probability ``probs[i]``. Rows that verify a speculative draft use the same
+   distribution and noise in ``rejection_sample`` instead (``hitchllm.engine.rejection_sampler``).
 
 Ties at a filter boundary are kept: every filter is a per-row logit threshold ("keep logits
 >= t"), so a token tied with the k-th largest logit, or with the last token top-p needs, survives
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hitchllm.engine.rejection_sampler import rejection_sample
 from hitchllm.engine.sampling_metadata import SamplingMetadata
 
 
@@ -253,4 +255,6 @@ class Sampler(torch.nn.Module):
         )
         # A zero draw would make 0/0 = NaN for a filtered-out token, and argmax picks NaN.
         q = q.clamp_min(torch.finfo(q.dtype).tiny)
+        if metadata.drafts is not None:
+            return rejection_sample(probs, q, metadata.drafts)
         return (probs / q).argmax(dim=-1)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hitchllm.engine.rejection_sampler import DraftTokens
 from hitchllm.logits_processor import LogitsEdit
 from hitchllm.sampling_params import SamplingParams
 
@@ -55,6 +56,9 @@ class SamplingMetadata:
     # Edits from logits processors (logit_bias, allowed ids, bad words, grammar masks),
     # applied in order before min_tokens and penalties; empty when no row uses any.
     logits_edits: list[LogitsEdit] = field(default_factory=list)
+    # Speculative decoding: the draft each row verifies (random rows then go through
+    # ``rejection_sample``; greedy rows take the argmax, which accepts a draft iff they agree).
+    drafts: DraftTokens | None = None
 
     @property
     def no_penalties(self) -> bool:

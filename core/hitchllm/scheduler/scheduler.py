@@ -266,6 +266,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
+        request.spec_token_probs = None
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.config.policy.enqueue(self.waiting, request, front=True)
@@ -294,6 +295,7 @@ class Scheduler:
                 # will be overwritten. ``tokens`` holds the accepted drafts plus one new token.
                 request.num_computed_tokens -= len(request.spec_token_ids) - (len(tokens) - 1)
             request.spec_token_ids = []
+            request.spec_token_probs = None
             self._clear_suspect(request)  # it sampled without failing
             for token in tokens:
                 request.append_output_token(token)
