@@ -119,7 +119,8 @@ def plugin(tmp_path, monkeypatch):
 
 def test_int8_checkpoint_matches_its_dequantized_float_twin(plugin, checkpoints):
     int8_path, float_path = checkpoints
-    quantized, reference = LLM(int8_path, block_size=4), LLM(float_path, block_size=4)
+    quantized = LLM(int8_path, block_size=4, dtype="float32")
+    reference = LLM(float_path, block_size=4, dtype="float32")
 
     model = quantized.engine.runner.model
     qkv = model.model.layers[0].self_attn.qkv_proj
@@ -131,7 +132,7 @@ def test_int8_checkpoint_matches_its_dequantized_float_twin(plugin, checkpoints)
     reference_layers = dict(reference.engine.runner.model.named_modules())
     for name, layer in model.named_modules():
         if hasattr(layer, "weight_scale"):
-            wide = torch.randn(5, layer.input_size)
+            wide = torch.randn(5, layer.input_size, device=quantized.engine.device)
             with torch.no_grad():
                 torch.testing.assert_close(layer(wide), reference_layers[name](wide),
                                            rtol=1e-5, atol=1e-5)
