@@ -120,13 +120,18 @@ def chat_prompt_token_ids(
     add_generation_prompt: bool = True,
 ) -> list[int]:
     """The prompt token ids of one conversation under the tokenizer's chat template (or
-    ``chat_template``)."""
+    ``chat_template``); ``ValueError`` if there is none or it rejects the conversation."""
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             "the tokenizer has no chat template; pass chat_template= (a Jinja template)"
         )
-    ids = tokenizer.apply_chat_template(
-        conversation, chat_template=chat_template, tokenize=True,
-        add_generation_prompt=add_generation_prompt, return_dict=True,
-    )["input_ids"]
+    from jinja2 import TemplateError  # chat templates need jinja2; so does transformers here
+
+    try:
+        ids = tokenizer.apply_chat_template(
+            conversation, chat_template=chat_template, tokenize=True,
+            add_generation_prompt=add_generation_prompt, return_dict=True,
+        )["input_ids"]
+    except TemplateError as exc:  # e.g. raise_exception("roles must alternate ...")
+        raise ValueError(f"messages: the chat template rejected them: {exc}") from exc
     return list(ids)

@@ -16,9 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from jinja2 import TemplateError
-
 from hitchllm.engine.async_engine import AsyncLLMEngine
+from hitchllm.entrypoints.llm import chat_prompt_token_ids
 from hitchllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from hitchllm.entrypoints.openai.streaming import merge, sse, stream_safe_length
 from hitchllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -299,14 +298,9 @@ class OpenAIServing:
                 "--chat-template FILE (a Jinja template)"
             )
         messages = [m.as_template_input() for m in req.messages]
-        try:
-            ids = self.tokenizer.apply_chat_template(
-                messages, chat_template=template, tokenize=True,
-                add_generation_prompt=req.add_generation_prompt, return_dict=True,
-            )["input_ids"]
-        except TemplateError as exc:  # e.g. raise_exception("roles must alternate ...")
-            raise ValueError(f"messages: the chat template rejected them: {exc}") from exc
-        return {"prompt_token_ids": list(ids)}
+        ids = chat_prompt_token_ids(self.tokenizer, messages, template,
+                                    req.add_generation_prompt)
+        return {"prompt_token_ids": ids}
 
     async def chat(self, req: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
         _check_no_streamed_prompt_logprobs(req)
