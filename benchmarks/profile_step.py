@@ -42,7 +42,7 @@ def _wrap(obj: object, attr: str, label: str) -> None:
 def instrument(llm: LLM) -> None:
     """Wrap each engine phase in a named profiler range."""
     engine = llm.engine
-    runner = engine.runner
+    runner = engine.executor.runner
     _wrap(engine.scheduler, "schedule", "schedule")
     _wrap(runner, "_prepare_inputs", "prepare inputs")
     _wrap(runner.builder, "build", "attention metadata")
@@ -145,8 +145,8 @@ def main() -> None:
             host[evt.name] += evt.cpu_time_total
             device[evt.name] += evt.device_time_total
     n = args.profile_steps
-    graphs = ("CUDA graphs" if engine.runner.graphs is not None and engine.runner.graphs.captured
-              else "eager")
+    runner_graphs = engine.executor.runner.graphs
+    graphs = "CUDA graphs" if runner_graphs is not None and runner_graphs.captured else "eager"
     print(f"\nbatch {args.batch_size}, context ~{args.context_len}, backend "
           f"{engine.attention_backend.name}, {graphs}: {step_ms:.2f} ms/step wall "
           f"({args.batch_size / step_ms * 1e3:,.0f} tok/s), GPU busy "

@@ -25,15 +25,13 @@ def _pair(path: str, **kwargs) -> tuple[LLM, LLM]:
 
 def _count_device_inputs(llm: LLM) -> list[int]:
     """Count scheduled tokens whose id came from the device (the overlap really happened)."""
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     prepare = runner._prepare_inputs
     seen = [0]
 
-    def counting(rows, num_sched, num_computed, graph_size, requests, *rest):
-        seen[0] += sum(
-            max(0, c + n - r.num_tokens - len(r.spec_token_ids))
-            for r, c, n in zip(requests, num_computed, num_sched))
-        return prepare(rows, num_sched, num_computed, graph_size, requests, *rest)
+    def counting(rows, num_sched, num_computed, graph_size, known, *rest):
+        seen[0] += int((num_computed + num_sched - known).clip(min=0).sum())
+        return prepare(rows, num_sched, num_computed, graph_size, known, *rest)
 
     runner._prepare_inputs = counting
     return seen
@@ -97,3 +95,31 @@ def test_overlap_with_parallel_sampling_and_abort(tiny_models):
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.kv_cache.num_free_blocks == engine.num_kv_blocks
+
+
+def test_a_request_that_stops_while_its_next_step_is_scheduled_writes_no_other_block(
+    llama_path,
+):
+    """A stop token sampled in step n ends a request that step n + 1 already computes; that
+    step must write its K/V into the request's own blocks, never into a stale block-table
+    entry (which once corrupted prefix-cached prompts). Penalties keep step n + 1 from
+    launching before step n completes, so the request is stopped when n + 1 launches."""
+    llm = LLM(llama_path, block_size=4, async_scheduling=True)
+    tokenizer = llm.get_tokenizer()
+    prompts = ["Answer in JSON:", "def f(x):", "import os", "class A:"]
+    base = SamplingParams(temperature=0, repetition_penalty=1.2, max_tokens=24, ignore_eos=True)
+    free = [o.outputs[0].token_ids for o in LLM(llama_path, enable_prefix_caching=False)
+            .generate(prompts, base, use_tqdm=False)]
+    params = []
+    for prompt, out in zip(prompts, free):
+        length = len(tokenizer(prompt).input_ids)
+        # The first output token that stops the request with its pending position at the
+        # start of a new block.
+        k = next(k for k in range(1, len(out)) if (length + k) % 4 == 0 and out[k] not in out[:k])
+        params.append(SamplingParams(temperature=0, repetition_penalty=1.2, max_tokens=24,
+                                     ignore_eos=True, stop_token_ids=[out[k]]))
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    again = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert llm.engine.stats().prefix_cache_hits > 0
+    assert first == [out[: len(o)] for out, o in zip(free, first)]
+    assert again == first

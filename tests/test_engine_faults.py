@@ -34,7 +34,7 @@ def texts(outputs) -> list[str]:
 def fail_requests(engine, monkeypatch, bad_ids: set[str], calls: list[str] | None = None):
     """Make every step that samples for a request in ``bad_ids`` raise (as a sampler bug
     tied to one request's parameters would)."""
-    original = engine.runner._generator_for
+    original = engine.executor.runner._generator_for
 
     def generator_for(request):
         if calls is not None:
@@ -43,7 +43,7 @@ def fail_requests(engine, monkeypatch, bad_ids: set[str], calls: list[str] | Non
             raise RuntimeError("injected failure")
         return original(request)
 
-    monkeypatch.setattr(engine.runner, "_generator_for", generator_for)
+    monkeypatch.setattr(engine.executor.runner, "_generator_for", generator_for)
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
@@ -115,7 +115,7 @@ def test_a_step_that_always_fails_ends_the_engine(llama_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(engine.runner, "execute_async", broken)
+    monkeypatch.setattr(engine.executor.runner, "execute_async", broken)
     for i, p in enumerate(PROMPTS * 6):
         engine.add_request(p, greedy(4), request_id=f"d{i}")
     with pytest.raises(RuntimeError, match="device lost"):

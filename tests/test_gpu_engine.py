@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from reference import hf_greedy
 from test_models_hf_parity import MAX_NEW, greedy, mixed_prompts, run
 
 from hitchllm import LLM, SamplingParams
-from hitchllm.attention import set_forward_context
-from hitchllm.engine.sampling_metadata import build_sampling_metadata
 from hitchllm.tiny_model import ARCHITECTURES
 
 pytestmark = pytest.mark.gpu
@@ -62,33 +59,14 @@ def test_step_never_syncs_with_the_host_before_sampling(tiny_models, backend):
                                                          repetition_penalty=1.2, max_tokens=4)]
     for i, p in enumerate(mixed_prompts(2)):
         engine.add_request({"prompt_token_ids": p}, mixed[i % 2])
-    runner = engine.runner
-    sched = engine.scheduler.schedule()
-    block_ids = {r.request_id: engine.kv_cache.get_block_ids(r.request_id)
-                 for r in sched.requests}
-    rows = [runner.input_batch.sync(r, block_ids[r.request_id]) for r in sched.requests]
+    runner = engine.executor.runner
+    plan = engine.scheduler.schedule()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        with torch.inference_mode():
-            samples = [i for i, x in enumerate(sched.samples) if x]
-            common, ids, pos, last = runner._prepare_inputs(
-                np.asarray(rows), np.asarray(sched.num_scheduled_tokens),
-                np.asarray(sched.num_computed_tokens), None, sched.requests, samples,
-                [(sched.requests[i], []) for i in samples])
-            meta = runner.builder.build(common)
-            with set_forward_context(meta):
-                hidden = runner.model(ids, pos)
-            logits = runner.model.compute_logits(hidden[last])
-            metadata = build_sampling_metadata(
-                params=[r.sampling_params for r in sched.requests],
-                prompt_token_ids=[r.prompt_token_ids for r in sched.requests],
-                output_token_ids=[r.output_token_ids for r in sched.requests],
-                eos_token_ids=[r.eos_token_ids for r in sched.requests],
-                generators=[None] * len(sched.requests), default_generator=None,
-                vocab_size=engine.vocab_size, device=engine.device)
-            sampled = runner.sampler(logits, metadata).sampled_token_ids
+        pending = runner.execute_async(plan)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert hidden.shape[0] == sum(sched.num_scheduled_tokens)
-    assert sampled.shape == (len(sched.requests),)
+    sampled = pending.result().sampled
+    assert sorted(sampled) == sorted(plan.request_ids)
+    assert all(len(tokens) == 1 for tokens in sampled.values())

@@ -30,11 +30,11 @@ def test_cuda_graph_runs_equal_eager_runs_exactly(tiny_models, arch):
     eager = LLM(tiny_models[arch], device="cuda", attention_backend="TRITON_ATTN",
                 enforce_eager=True)
     graphs = LLM(tiny_models[arch], device="cuda", attention_backend="TRITON_ATTN")
-    assert graphs.engine.runner.graphs.captured
-    assert not eager.engine.runner.graphs.captured
+    assert graphs.engine.executor.runner.graphs.captured
+    assert not eager.engine.executor.runner.graphs.captured
     replays = []
-    replay = graphs.engine.runner.graphs.replay
-    graphs.engine.runner.graphs.replay = lambda size: replays.append(size) or replay(size)
+    replay = graphs.engine.executor.runner.graphs.replay
+    graphs.engine.executor.runner.graphs.replay = lambda size: replays.append(size) or replay(size)
     for temperature in (0.0, 1.0):  # greedy, and seeded sampling (needs identical logits)
         assert _generate(graphs, prompts, temperature) == _generate(eager, prompts, temperature)
     assert {1, 2, 4, 8} <= set(replays)
@@ -64,8 +64,9 @@ def wide_model(tmp_path_factory) -> str:
 def test_kv_cache_takes_what_gpu_memory_utilization_leaves(wide_model):
     total = torch.cuda.get_device_properties(0).total_memory
     llm = LLM(wide_model, device="cuda", gpu_memory_utilization=0.4)
-    kv_bytes = sum(c.numel() * c.element_size() for c in llm.engine.runner.kv_caches)
-    weights = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    runner = llm.engine.executor.runner
+    kv_bytes = sum(c.numel() * c.element_size() for c in runner.kv_caches)
+    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     # Everything but weights, peak activations and non-PyTorch memory (well under 3 GiB for
     # this model) goes to the cache, and the engine stays within its share of the card.
     assert 0.4 * total - weights - 3 * 2**30 < kv_bytes < 0.4 * total - weights

@@ -91,9 +91,10 @@ def test_same_kv_cache_memory_holds_more_blocks_in_smaller_dtypes(llama_path, dt
     e = engine(dtype=dtype, kv_cache_dtype=kv_cache_dtype)
     assert e.num_kv_blocks == ratio * base
     # What was allocated is what was sized: TORCH's tensors hold one spare block each.
-    per_block = bytes_per_shared_block(e.runner.kv_cache_specs)
-    assert sum(c.nbytes for c in e.runner.kv_caches) == (e.num_kv_blocks + 1) * per_block
-    assert {c.dtype for c in e.runner.kv_caches} == {e.runner.kv_cache_specs[0].dtype}
+    runner = e.executor.runner
+    per_block = bytes_per_shared_block(runner.kv_cache_specs)
+    assert sum(c.nbytes for c in runner.kv_caches) == (e.num_kv_blocks + 1) * per_block
+    assert {c.dtype for c in runner.kv_caches} == {runner.kv_cache_specs[0].dtype}
 
 
 # ---- TORCH with an fp8 cache -------------------------------------------------------------------
@@ -189,7 +190,7 @@ def test_fp8_on_cuda_falls_back_to_torch_in_auto_mode_and_follows_bf16(auto_back
     model = default_model_path()
     fp8 = LLM(model, device="cuda", kv_cache_dtype="fp8", kv_cache_memory="256MiB")
     assert fp8.engine.attention_backend.name == "TORCH"
-    assert fp8.engine.runner.kv_caches[0].dtype == torch.float8_e4m3fn
+    assert fp8.engine.executor.runner.kv_caches[0].dtype == torch.float8_e4m3fn
     full = LLM(model, device="cuda", kv_cache_memory="256MiB", attention_backend="TORCH")
     rate = greedy_agreement(full, fp8)
     print(f"CUDA fp8: {rate:.1%} of greedy tokens equal to the bfloat16 cache's")
@@ -197,7 +198,7 @@ def test_fp8_on_cuda_falls_back_to_torch_in_auto_mode_and_follows_bf16(auto_back
 
 
 def test_layers_bind_their_scales_to_the_impl(llama_path):
-    runner = LLM(llama_path, kv_cache_dtype="fp8").engine.runner
+    runner = LLM(llama_path, kv_cache_dtype="fp8").engine.executor.runner
     for layer in runner.layers:
         assert layer.impl.k_scale is layer.k_scale and layer.impl.v_scale is layer.v_scale
         assert layer.k_scale.dtype == torch.float32 and float(layer.k_scale) == 1.0

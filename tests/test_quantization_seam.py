@@ -122,14 +122,14 @@ def test_int8_checkpoint_matches_its_dequantized_float_twin(plugin, checkpoints)
     quantized = LLM(int8_path, block_size=4, dtype="float32")
     reference = LLM(float_path, block_size=4, dtype="float32")
 
-    model = quantized.engine.runner.model
+    model = quantized.engine.executor.runner.model
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert qkv.weight.dtype == torch.int8 and qkv.weight_scale.shape == (qkv.output_size,)
     assert type(model.lm_head.linear_method).__name__ == "UnquantizedLinearMethod"
     assert len(plugin.PROCESSED) == 4 * model.config.num_hidden_layers
 
     # Every projection, fed the same input, gives the float layer's output.
-    reference_layers = dict(reference.engine.runner.model.named_modules())
+    reference_layers = dict(reference.engine.executor.runner.model.named_modules())
     for name, layer in model.named_modules():
         if hasattr(layer, "weight_scale"):
             wide = torch.randn(5, layer.input_size, device=quantized.engine.device)

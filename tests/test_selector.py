@@ -168,7 +168,7 @@ def test_model_architecture_from_a_plugin(tmp_path, monkeypatch, llama_path):
     cfg["architectures"] = ["RenamedLlamaForCausalLM"]
     (model / "config.json").write_text(json.dumps(cfg))
     llm = LLM(str(model))
-    assert type(llm.engine.runner.model).__name__ == "RenamedLlama"
+    assert type(llm.engine.executor.runner.model).__name__ == "RenamedLlama"
 
 
 def test_misspelled_hook_rejects_the_plugin(tmp_path, monkeypatch):

@@ -217,7 +217,7 @@ def test_chat_template_errors_are_400(app_engine):
 
 def test_a_request_the_engine_fails_gets_500_and_others_go_on(app_engine, monkeypatch):
     http, async_engine = app_engine
-    runner = async_engine.engine.runner
+    runner = async_engine.engine.executor.runner
     original = runner._generator_for
 
     def generator_for(request):

@@ -427,6 +427,6 @@ def test_gpu_cuda_graph_replay_equals_eager(models64, name):
         return [o.outputs[0].token_ids for o in outs]
 
     graphs = LLM(path, device="cuda", attention_backend=name)
-    assert graphs.engine.runner.graphs.captured
+    assert graphs.engine.executor.runner.graphs.captured
     eager = LLM(path, device="cuda", attention_backend=name, enforce_eager=True)
     assert generate(graphs) == generate(eager)

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
     from hitchllm.attention.backend import AttentionBackend
     from hitchllm.config import EngineConfig
+    from hitchllm.engine.input_batch import RequestState
     from hitchllm.logits_processor import LogitsProcessor
     from hitchllm.request import Request
     from hitchllm.speculative import Proposer
@@ -167,15 +168,21 @@ def hitchllm_request_added(request: Request, engine_config: EngineConfig) -> Non
 
 
 @hookspec
-def hitchllm_before_forward(requests: list[Request], num_scheduled_tokens: list[int]) -> None:
+def hitchllm_before_forward(
+    requests: list[RequestState], num_scheduled_tokens: list[int]
+) -> None:
     """Called by the model runner once per step, right before the model's forward pass.
 
-    ``requests`` are the step's batch rows in order; row ``i`` contributes
-    ``num_scheduled_tokens[i]`` consecutive tokens to the packed batch. Use it to set up
-    per-token state a wrapped layer needs (the LoRA plugin maps each token to its request's
-    adapter). Must not synchronize with the device. On CUDA, decode steps replay a CUDA graph
-    captured at start-up (padded to a capture size), so state the forward reads must sit in
-    device tensors allocated once and updated in place. The return value is ignored.
+    ``requests`` are the step's batch rows in order, as the runner knows them
+    (``hitchllm.engine.input_batch.RequestState``: ``request_id``, ``sampling_params``,
+    ``lora_request`` and ``lora_name``, ``prompt_token_ids``, ``output_token_ids``), never the
+    scheduler's ``Request`` objects: the runner may run in a worker process. Row ``i``
+    contributes ``num_scheduled_tokens[i]`` consecutive tokens to the packed batch. Use it to
+    set up per-token state a wrapped layer needs (the LoRA plugin maps each token to its
+    request's adapter). Must not synchronize with the device. On CUDA, decode steps replay a
+    CUDA graph captured at start-up (padded to a capture size), so state the forward reads
+    must sit in device tensors allocated once and updated in place. The return value is
+    ignored.
     """
 
 

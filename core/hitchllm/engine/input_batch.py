@@ -1,54 +1,112 @@
-"""Persistent host-side rows for running requests: token ids and block tables.
+"""The model runner's own per-request state, and persistent host-side rows of token ids and
+block tables.
 
-Each running request owns a row. Between steps only what changed is copied in (newly sampled
-tokens, newly allocated blocks), so building a step's flat tensors is a handful of vectorized
-numpy gathers instead of per-token Python loops.
+The runner learns of a request from the step plan (``NewRequestData``), then advances the
+request's state itself: tokens from its own sampling (``RequestState.append_tokens``), blocks
+from each plan's ``new_block_ids``. Each running request owns a row; between steps only what
+changed is copied in, so building a step's flat tensors is a handful of vectorized numpy
+gathers instead of per-token Python loops.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
 import numpy as np
 
-from hitchllm.request import Request
+from hitchllm.logits_processor import LogitsProcessor
+from hitchllm.sampling_params import SamplingParams
+from hitchllm.scheduler.step_plan import NewRequestData
+
+
+@dataclass(eq=False)
+class RequestState:
+    """What the runner knows of one running request. ``output_token_ids`` are the tokens
+    whose sampling has completed on the host's side; a token still being sampled on the
+    device is not in it yet."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    output_token_ids: list[int]
+    lora_request: Any
+    row: int
+    # The logits processors this request uses (those of the runner that say so).
+    logits_processors: list[LogitsProcessor] = field(default_factory=list)
+    # Tokens copied into the row's token ids, and block ids into its block table.
+    num_synced_tokens: int = 0
+    num_blocks: int = 0
+
+    @property
+    def lora_name(self) -> str | None:
+        return getattr(self.lora_request, "lora_name", None)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def append_tokens(self, token_ids: list[int]) -> None:
+        """Record tokens the runner sampled for this request (called when a step's output is
+        read back)."""
+        self.output_token_ids.extend(token_ids)
 
 
 class InputBatch:
-    """Rows of token ids ``[max_num_reqs, max_model_len]`` and block ids per request."""
+    """Per-request states, and rows of token ids ``[max_num_reqs, max_model_len]`` and block
+    ids per request."""
 
     def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) -> None:
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
-        self._num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
-        self._num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
-        self._row_of: dict[str, int] = {}
+        self.states: dict[str, RequestState] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
 
-    def release(self, request_id: str) -> None:
-        """Give a request's row back (it finished or was preempted)."""
-        row = self._row_of.pop(request_id, None)
-        if row is not None:
-            self._num_tokens[row] = 0
-            self._num_blocks[row] = 0
-            self._free_rows.append(row)
+    def add(self, new: NewRequestData, processors: list[LogitsProcessor]) -> RequestState:
+        """Give a request new to the runner its state and a row."""
+        if new.request_id in self.states:
+            raise RuntimeError(f"request {new.request_id!r} is already in the input batch")
+        if not self._free_rows:
+            raise RuntimeError("more running requests than max_num_seqs rows")
+        state = RequestState(
+            new.request_id, list(new.prompt_token_ids), new.sampling_params,
+            new.eos_token_ids, list(new.output_token_ids), new.lora_request,
+            row=self._free_rows.pop(), logits_processors=processors,
+        )
+        self.states[new.request_id] = state
+        return state
 
-    def sync(self, request: Request, block_ids: list[int]) -> int:
-        """Copy in the request's tokens and blocks added since the last sync; return its row."""
-        row = self._row_of.get(request.request_id)
-        if row is None:
-            if not self._free_rows:
-                raise RuntimeError("more running requests than max_num_seqs rows")
-            row = self._free_rows.pop()
-            self._row_of[request.request_id] = row
-        start = self._num_tokens[row]
-        end = request.num_tokens
+    def release(self, request_id: str) -> RequestState | None:
+        """Drop a request's state and give its row back (it finished or was preempted);
+        returns the state, or None for a request the runner never ran."""
+        state = self.states.pop(request_id, None)
+        if state is not None:
+            self._free_rows.append(state.row)
+        return state
+
+    def sync(self, state: RequestState, new_block_ids: list[int], drafts: list[int]) -> int:
+        """Copy in the request's tokens sampled since the last sync, its drafts (rewritten
+        every step, after the known tokens) and its new blocks; return its row."""
+        row = state.row
+        start = state.num_synced_tokens
+        end = state.num_tokens
         if end > start:
-            self.token_ids[row, start:end] = request.all_token_ids[start:end]
-            self._num_tokens[row] = end
-        spec = request.spec_token_ids[: self.token_ids.shape[1] - end]
-        if spec:  # drafts sit after the known tokens and are rewritten every step
-            self.token_ids[row, end : end + len(spec)] = spec
-        start = self._num_blocks[row]
-        if len(block_ids) > start:
-            self.block_table[row, start : len(block_ids)] = block_ids[start:]
-            self._num_blocks[row] = len(block_ids)
+            num_prompt = state.num_prompt_tokens
+            if start < num_prompt:
+                self.token_ids[row, start:num_prompt] = state.prompt_token_ids[start:]
+                start = num_prompt
+            self.token_ids[row, start:end] = state.output_token_ids[start - num_prompt:]
+            state.num_synced_tokens = end
+        drafts = drafts[: self.token_ids.shape[1] - end]
+        if drafts:
+            self.token_ids[row, end : end + len(drafts)] = drafts
+        if new_block_ids:
+            n = state.num_blocks
+            self.block_table[row, n : n + len(new_block_ids)] = new_block_ids
+            state.num_blocks = n + len(new_block_ids)
         return row

@@ -16,10 +16,10 @@ from hitchllm.attention.selector import select_attention_backend
 from hitchllm.config import EngineConfig, ModelConfig, parse_size
 from hitchllm.engine.cuda_graphs import default_capture_sizes
 from hitchllm.engine.drafting import Drafter
+from hitchllm.engine.executor import Executor, InProcessExecutor, RunnerOutputFuture
 from hitchllm.engine.kv_sizing import MemorySnapshot, cuda_kv_cache_bytes
 from hitchllm.engine.model_runner import ModelRunner
 from hitchllm.engine.output_processor import OutputProcessor
-from hitchllm.engine.runner_output import PendingOutput
 from hitchllm.kv_cache.manager import KVCacheManager
 from hitchllm.logger import init_logging
 from hitchllm.logits_processor import LogitsProcessor
@@ -30,7 +30,8 @@ from hitchllm.plugins import get_plugin_registry
 from hitchllm.request import Request, RequestStatus
 from hitchllm.sampling_params import SamplingParams
 from hitchllm.scheduler.policy import PreemptionPolicy
-from hitchllm.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from hitchllm.scheduler.scheduler import Scheduler, SchedulerConfig
+from hitchllm.scheduler.step_plan import StepPlan
 from hitchllm.speculative import Proposer
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,16 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 PLUGIN_SAMPLING_FIELDS = {"structured_outputs": "hitchllm-structured-output"}
 
 Prompt = str | dict[str, Any]
+
+
+@dataclass
+class _Launched:
+    """A step handed to the executor: its plan, the requests of its rows (as scheduled) and
+    its output to come."""
+
+    plan: StepPlan
+    requests: list[Request]
+    output: RunnerOutputFuture
 
 
 @dataclass
@@ -73,7 +84,8 @@ class EngineStats:
 
 
 class LLMEngine:
-    """Owns the tokenizer, the scheduler (with the KV cache manager) and the model runner."""
+    """Owns the tokenizer, the scheduler (with the KV cache manager) and the executor that
+    runs the model runner(s)."""
 
     def __init__(self, config: EngineConfig) -> None:
         init_logging()
@@ -121,16 +133,19 @@ class LLMEngine:
                 eos_token_ids=self.eos_token_ids)
             for processor in result or []
         ]
-        self.runner = ModelRunner(
+        self.proposer = self._build_proposer()
+        runner = ModelRunner(
             model, self.attention_backend, spec, config.max_num_seqs, max_num_tokens,
             self.max_model_len, mc.vocab_size, self.device, config.seed,
             before_forward=self.registry.hook.hitchllm_before_forward,
             cuda_graph_sizes=config.cuda_graph_sizes
             or default_capture_sizes(min(config.max_num_seqs, max_num_tokens)),
             logits_processors=self.logits_processors,
+            keep_hidden_states=self.proposer is not None and self.proposer.needs_hidden_states,
         )
+        self.executor: Executor = InProcessExecutor(runner)
         self.num_kv_blocks = self._num_kv_blocks(memory_at_start)
-        self.runner.initialize_kv_cache(self.num_kv_blocks)
+        self.executor.initialize_kv_cache(self.num_kv_blocks)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d, so at most %.2f "
             "requests of full length at once; device %s, %s, KV cache %s",
@@ -140,7 +155,7 @@ class LLMEngine:
             str(self.kv_cache_dtype).removeprefix("torch."),
         )
         if not config.enforce_eager:
-            self.runner.capture_cuda_graphs()
+            self.executor.capture_cuda_graphs()
         self.kv_cache = KVCacheManager(
             self.num_kv_blocks, config.block_size, config.enable_prefix_caching,
             extra_keys_fn=self._block_hash_extra_keys,
@@ -156,17 +171,15 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.vocab_size = mc.vocab_size
-        self.proposer = self._build_proposer()
         self.drafter: Drafter | None = None
         if self.proposer is not None:
             self.drafter = Drafter(self.proposer, config.num_speculative_tokens,
                                    self.max_model_len, mc.vocab_size, self.device)
-            self.runner.keep_hidden_states = self.proposer.needs_hidden_states
         self._request_counter = itertools.count()
         # Overlap: the launched step whose tokens are not folded in yet (see ``step``).
         # (On a CPU the step is done when launched; overlapping changes nothing but the order.)
         self._overlap = config.async_scheduling and self.proposer is None
-        self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
+        self._in_flight: _Launched | None = None
         self._consecutive_failures = 0
 
     # ---- set-up ------------------------------------------------------------------------
@@ -188,12 +201,12 @@ class LLMEngine:
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
         # One block of the shared pool holds a page in every layer's cache.
-        per_block = bytes_per_shared_block(self.runner.kv_cache_specs)
+        per_block = bytes_per_shared_block(self.executor.kv_cache_specs)
         if cfg.kv_cache_memory is not None:
             budget = parse_size(cfg.kv_cache_memory)
         elif memory_at_start is not None:
             budget = cuda_kv_cache_bytes(self.device, memory_at_start,
-                                         self.runner.measure_peak_memory(),
+                                         self.executor.measure_peak_memory(),
                                          cfg.gpu_memory_utilization)
         else:
             budget = DEFAULT_CPU_KV_CACHE_MEMORY
@@ -420,30 +433,29 @@ class LLMEngine:
 
     def _step(self, outputs: list[RequestOutput], work: _StepWork) -> None:
         """One step; fills ``outputs`` as they complete and ``work`` with what is under way."""
-        sched = self.scheduler.schedule()
-        if self._in_flight is not None and not self._may_overlap(sched):
+        plan = self.scheduler.schedule()
+        requests = [self.scheduler.requests[rid] for rid in plan.request_ids]
+        if self._in_flight is not None and not self._may_overlap(requests):
             outputs += self._complete_in_flight(work)
-        if sched.is_empty and self._in_flight is None and self.scheduler.has_unfinished_requests():
+        if plan.is_empty and self._in_flight is None and self.scheduler.has_unfinished_requests():
             raise RuntimeError("scheduler made no progress with unfinished requests queued")
-        block_ids = {r.request_id: self.kv_cache.get_block_ids(r.request_id)
-                     for r in sched.requests}
-        work.running = sched.requests
-        launched = (sched, self.runner.execute_async(sched, block_ids))
-        work.launched = sched.requests
+        work.running = requests
+        launched = _Launched(plan, requests, self.executor.execute_model(plan))
+        work.launched = requests
         if self._in_flight is not None:
             outputs += self._complete_in_flight(work)
-        work.running = sched.requests
-        if self._overlap and not sched.is_empty:
+        work.running = requests
+        if self._overlap and not plan.is_empty:
             self._in_flight = launched
         else:
-            outputs += self._complete(*launched)
+            outputs += self._complete(launched)
         work.launched = []
 
     def _complete_in_flight(self, work: _StepWork) -> list[RequestOutput]:
         assert self._in_flight is not None
         in_flight, self._in_flight = self._in_flight, None
-        work.running = in_flight[0].requests
-        return self._complete(*in_flight)
+        work.running = in_flight.requests
+        return self._complete(in_flight)
 
     def _recover(self, exc: Exception, work: _StepWork) -> list[RequestOutput]:
         """Contain a failed step (see ``step``); returns the outputs it still produced."""
@@ -482,20 +494,21 @@ class LLMEngine:
             outputs.append(self.output_processor.abort(parent_id, error=message))
         return outputs
 
-    def _may_overlap(self, sched: SchedulerOutput) -> bool:
-        """Whether ``sched`` may launch before the step in flight completes: not when a
-        request's sampling depends on output tokens the host has not seen (penalties,
+    def _may_overlap(self, requests: list[Request]) -> bool:
+        """Whether a step of ``requests`` may launch before the step in flight completes: not
+        when a request's sampling depends on output tokens the host has not seen (penalties,
         min_tokens still counting, and logits processors such as a grammar or bad words)."""
         return not any(r.sampling_params.uses_penalties
                        or r.num_output_tokens < r.sampling_params.min_tokens
                        or (r.logits_processors and any(p.needs_output_tokens
                                                        for p in r.logits_processors))
-                       for r in sched.requests)
+                       for r in requests)
 
-    def _complete(self, sched: SchedulerOutput, pending: PendingOutput) -> list[RequestOutput]:
+    def _complete(self, launched: _Launched) -> list[RequestOutput]:
         """Wait for a launched step's tokens and fold them into requests and outputs."""
-        result = pending.result()
-        updated = self.scheduler.update_from_output(sched, result.sampled)
+        result = launched.output.result()
+        updated = self.scheduler.update_from_output(
+            launched.plan, launched.requests, result.sampled)
         outputs, stopped = self.output_processor.process(
             updated, result.logprobs, result.prompt_logprobs)
         if stopped:

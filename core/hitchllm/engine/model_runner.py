@@ -21,7 +21,7 @@ from hitchllm.attention import (
     set_forward_context,
 )
 from hitchllm.engine.cuda_graphs import DecodeGraphs
-from hitchllm.engine.input_batch import InputBatch
+from hitchllm.engine.input_batch import InputBatch, RequestState
 from hitchllm.engine.prompt_logprobs import compute_prompt_logprobs
 from hitchllm.engine.rejection_sampler import build_draft_tokens
 from hitchllm.engine.runner_output import PendingOutput, RunnerOutput
@@ -29,13 +29,15 @@ from hitchllm.engine.sampler import Sampler
 from hitchllm.engine.sampling_metadata import build_sampling_metadata
 from hitchllm.engine.step_buffers import StepBuffers
 from hitchllm.logits_processor import LogitsEdit, LogitsProcessor, LogitsRow
-from hitchllm.request import Request
 from hitchllm.sampling_params import SamplingParams
-from hitchllm.scheduler.scheduler import SchedulerOutput
+from hitchllm.scheduler.step_plan import StepPlan
 
 
 class ModelRunner:
-    """Executes scheduled batches of one model with one attention backend.
+    """Executes step plans for one model with one attention backend.
+
+    The runner keeps its own state per request (``InputBatch``), built from the plans' new
+    requests and advanced by its own sampled tokens; it never sees the scheduler's requests.
 
     Set-up order: construct, ``initialize_kv_cache(num_blocks)`` (on CUDA the engine first
     calls ``measure_peak_memory`` to size the cache), then ``capture_cuda_graphs()`` when
@@ -56,6 +58,7 @@ class ModelRunner:
         before_forward: Callable[..., Any] | None = None,
         cuda_graph_sizes: list[int] | None = None,
         logits_processors: list[LogitsProcessor] | None = None,
+        keep_hidden_states: bool = False,
     ) -> None:
         self.model = model
         self.logits_processors = logits_processors or []
@@ -107,7 +110,7 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         # Whether a step's output carries the final hidden states of its sampled positions
         # (for a proposer that drafts from them); off, they cost nothing.
-        self.keep_hidden_states = False
+        self.keep_hidden_states = keep_hidden_states
 
     # ---- set-up ------------------------------------------------------------------------
 
@@ -194,62 +197,68 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------------
 
-    def execute(self, sched: SchedulerOutput, block_ids: dict[str, list[int]]) -> RunnerOutput:
-        """Run the batch and wait for its output."""
-        return self.execute_async(sched, block_ids).result()
+    def execute(self, plan: StepPlan) -> RunnerOutput:
+        """Run the step and wait for its output."""
+        return self.execute_async(plan).result()
 
     @torch.inference_mode()
-    def execute_async(
-        self, sched: SchedulerOutput, block_ids: dict[str, list[int]]
-    ) -> PendingOutput:
-        """Launch the batch; ``block_ids`` maps each scheduled request id to its block list.
+    def execute_async(self, plan: StepPlan) -> PendingOutput:
+        """Launch the step; returns before the device finishes (except for prompt logprobs,
+        which are read back here).
 
-        Returns before the device finishes (except for prompt logprobs, which are read back
-        here). A scheduled token the host has not seen yet (the pending token of a request
-        whose previous step is still running) is taken from that step's sampled tokens on
-        the device.
+        A scheduled token the host has not seen yet (the pending token of a request whose
+        previous step is still running) is taken from that step's sampled tokens on the
+        device.
         """
-        for rid in sched.released_ids:
-            self.input_batch.release(rid)
-        for rid in sched.finished_ids:
+        batch = self.input_batch
+        for rid in (*plan.preempted_ids, *plan.finished_ids):
+            batch.release(rid)
+        for rid in plan.finished_ids:  # a preempted request keeps its random stream
             self._generators.pop(rid, None)
-        if sched.finished_ids:
+        if plan.finished_ids:
             for processor in self.logits_processors:
-                processor.remove_requests(sched.finished_ids)
-        if sched.is_empty:
+                processor.remove_requests(plan.finished_ids)
+        for new in plan.new_requests:
+            batch.add(new, [p for p in self.logits_processors
+                            if p.is_used_by(new.sampling_params)])
+        if plan.is_empty:
             return PendingOutput()
 
-        requests = sched.requests
+        states = [batch.states[rid] for rid in plan.request_ids]
+        drafts = [plan.draft_token_ids.get(rid, []) for rid in plan.request_ids]
         rows = np.fromiter(
-            (self.input_batch.sync(r, block_ids[r.request_id]) for r in requests),
-            dtype=np.int64, count=len(requests),
+            (batch.sync(s, b, d) for s, b, d in zip(states, plan.new_block_ids, drafts)),
+            dtype=np.int64, count=len(states),
         )
-        num_sched = np.asarray(sched.num_scheduled_tokens, dtype=np.int64)
-        num_computed = np.asarray(sched.num_computed_tokens, dtype=np.int64)
+        num_sched = np.asarray(plan.num_scheduled_tokens, dtype=np.int64)
+        num_computed = np.asarray(plan.num_computed_tokens, dtype=np.int64)
+        # Tokens of each row the host knows: the rest of its scheduled tokens are pending.
+        known = np.fromiter((s.num_tokens + len(d) for s, d in zip(states, drafts)),
+                            dtype=np.int64, count=len(states))
         graph_size = None
         if self.graphs is not None and len(num_sched) == int(num_sched.sum()):
             graph_size = self.graphs.padded_size(len(num_sched))
-        sample_rows = [i for i, s in enumerate(sched.samples) if s]
-        sampling = [(requests[i], list(requests[i].spec_token_ids)) for i in sample_rows]
+        sample_rows = [i for i, s in enumerate(plan.samples) if s]
+        sampling = [(states[i], drafts[i]) for i in sample_rows]
         common, input_ids, positions, logits_idx = self._prepare_inputs(
-            rows, num_sched, num_computed, graph_size, requests, sample_rows, sampling)
+            rows, num_sched, num_computed, graph_size, known, sample_rows, sampling)
         attn_metadata = self.builder.build(common)
         if self.before_forward is not None:
-            self.before_forward(requests=requests, num_scheduled_tokens=sched.num_scheduled_tokens)
+            self.before_forward(requests=states, num_scheduled_tokens=plan.num_scheduled_tokens)
         if graph_size is not None and self.graphs is not None and self.graphs.captured:
             hidden = self._forward_graph(graph_size)
         else:
             hidden = self._eager_forward(input_ids, positions, attn_metadata)
 
         prompt_lps = {}
-        if any(r.sampling_params.prompt_logprobs is not None for r in requests):
+        if any(s.sampling_params.prompt_logprobs is not None for s in states):
             prompt_lps = compute_prompt_logprobs(
-                self.model, hidden, requests, num_computed, self.buffers.query_start_loc.np)
+                self.model, hidden, states, num_computed, self.buffers.query_start_loc.np)
         if not sampling:
             return PendingOutput(prompt_logprobs=prompt_lps)
         sampled_hidden = hidden[logits_idx]
         logits = self.model.compute_logits(sampled_hidden)
-        pending = self._sample(sampling, logits)
+        pending = self._sample(sampling, logits, plan.draft_probs)
         pending.prompt_logprobs = prompt_lps
         if self.keep_hidden_states:
             pending.hidden_states = sampled_hidden
@@ -267,12 +276,13 @@ class ModelRunner:
 
     def _prepare_inputs(
         self, rows: np.ndarray, num_sched: np.ndarray, num_computed: np.ndarray,
-        graph_size: int | None, requests: list[Request], sample_rows: list[int],
-        sampling: list[tuple[Request, list[int]]],
+        graph_size: int | None, known: np.ndarray, sample_rows: list[int],
+        sampling: list[tuple[RequestState, list[int]]],
     ) -> tuple[CommonAttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Fill the step buffers for this batch (padded to ``graph_size`` requests when
         given: a uniform decode batch that runs as, or like, a CUDA graph) and copy them to
-        the device. Also returns the indices of the tokens whose logits are sampled."""
+        the device. ``known`` counts each row's tokens the host knows (the others are taken
+        from the device). Also returns the indices of the tokens whose logits are sampled."""
         b = self.buffers
         if self._inputs_copied is not None:
             # The previous step's copies out of these host buffers must be done.
@@ -299,8 +309,6 @@ class ModelRunner:
             num_sched, num_computed, block_table, num_tokens,
             cuda_graph=graph_size is not None, padded_reqs=graph_size)
         input_ids = b.input_ids.to_device(total_tokens)
-        known = np.fromiter((r.num_tokens + len(r.spec_token_ids) for r in requests),
-                            dtype=np.int64, count=len(requests))
         pending = np.flatnonzero(positions >= known[token_req])
         if len(pending):
             # Tokens still on the device, sampled by the previous step for these rows.
@@ -323,7 +331,7 @@ class ModelRunner:
         return common, input_ids, positions_dev, logits_idx
 
     def _logits_indices(
-        self, sampling: list[tuple[Request, list[int]]], sample_rows: list[int]
+        self, sampling: list[tuple[RequestState, list[int]]], sample_rows: list[int]
     ) -> torch.Tensor:
         """Each sampling row needs logits at its last token, plus one per draft before it."""
         ends = self.buffers.query_start_loc.np[1:][sample_rows].astype(np.int64)
@@ -387,7 +395,8 @@ class ModelRunner:
         return self.buffers.block_table[:total_reqs]
 
     def _sample(
-        self, sampling: list[tuple[Request, list[int]]], logits: torch.Tensor
+        self, sampling: list[tuple[RequestState, list[int]]], logits: torch.Tensor,
+        draft_probs: dict[str, torch.Tensor],
     ) -> PendingOutput:
         """Sample one token per logits row and start copying them to the host.
 
@@ -395,7 +404,8 @@ class ModelRunner:
         position plus the bonus position); row ``j``'s distribution is computed as if
         ``d_0..d_{j-1}`` were already output, and the sampler verifies ``d_j`` against it by
         rejection sampling (``hitchllm.engine.rejection_sampler``), with the request's draft
-        probabilities when its proposer gave them. ``PendingOutput.result`` then walks the rows.
+        probabilities (``draft_probs``) when its proposer gave them. ``PendingOutput.result``
+        then walks the rows.
         """
         logit_rows = [(r, drafts[:j]) for r, drafts in sampling for j in range(len(drafts) + 1)]
         metadata = build_sampling_metadata(
@@ -413,8 +423,7 @@ class ModelRunner:
         metadata.logits_edits = self._logits_edits(logit_rows)
         if not metadata.all_greedy and len(logit_rows) > len(sampling):
             metadata.drafts = build_draft_tokens(
-                [(drafts, r.spec_token_probs[: len(drafts)]
-                  if drafts and r.spec_token_probs is not None else None)
+                [(drafts, draft_probs.get(r.request_id) if drafts else None)
                  for r, drafts in sampling],
                 self.vocab_size, self.device)
         result = self.sampler(logits, metadata)
@@ -431,7 +440,9 @@ class ModelRunner:
         ready.record()
         return PendingOutput(sampling, host, ready, result.logprobs)
 
-    def _logits_edits(self, logit_rows: list[tuple[Request, list[int]]]) -> list[LogitsEdit]:
+    def _logits_edits(
+        self, logit_rows: list[tuple[RequestState, list[int]]]
+    ) -> list[LogitsEdit]:
         """Each used logits processor's edit for its rows (none when no request uses one)."""
         if not any(r.logits_processors for r, _ in logit_rows):
             return []
@@ -444,7 +455,7 @@ class ModelRunner:
                     num_draft_tokens=len(drafts)))
         return [p.prepare(p_rows, self.vocab_size, self.device) for p, p_rows in rows.items()]
 
-    def _generator_for(self, request: Request) -> torch.Generator | None:
+    def _generator_for(self, request: RequestState) -> torch.Generator | None:
         seed = request.sampling_params.seed
         if seed is None:
             return None

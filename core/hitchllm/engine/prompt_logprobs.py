@@ -13,8 +13,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from hitchllm.engine.input_batch import RequestState
 from hitchllm.outputs import Logprob
-from hitchllm.request import Request
 
 # Positions scored per matmul: bounds the [positions, vocab] logits kept in memory at once.
 CHUNK = 1024
@@ -25,7 +25,7 @@ PromptLogprobs = list[tuple[int, dict[int, Logprob]]]
 def compute_prompt_logprobs(
     model: nn.Module,
     hidden: torch.Tensor,
-    requests: list[Request],
+    requests: list[RequestState],
     num_computed: np.ndarray,
     query_start: np.ndarray,
 ) -> dict[str, PromptLogprobs]:

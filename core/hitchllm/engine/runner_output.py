@@ -1,8 +1,9 @@
 """What a model-runner step hands back: sampled tokens, read back from the device on demand.
 
 ``ModelRunner.execute_async`` launches a step and returns a ``PendingOutput`` at once; its
-``result()`` waits for the step's device work and builds the ``RunnerOutput``. Between the two
-the host is free to prepare the next step while the device computes this one.
+``result()`` waits for the step's device work, records the emitted tokens in the runner's
+request states and builds the ``RunnerOutput``. Between the two the host is free to prepare
+the next step while the device computes this one.
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hitchllm.engine.input_batch import RequestState
 from hitchllm.engine.prompt_logprobs import PromptLogprobs
 from hitchllm.engine.sampler import LogprobsTensors
 from hitchllm.logits_processor import host_to_device
 from hitchllm.outputs import Logprob
-from hitchllm.request import Request
 
 
 @dataclass
@@ -37,7 +38,7 @@ class RunnerOutput:
 class PendingOutput:
     """A launched step's output, still on the device (or already complete).
 
-    ``rows`` lists the logits rows: ``(request, drafts)`` per sampling request, the request
+    ``requests`` lists the logits rows: ``(request, drafts)`` per sampling request, the request
     owning ``len(drafts) + 1`` consecutive rows of ``sampled_host``. ``sampled_host`` is a
     pinned host tensor filled by a non-blocking copy that ``ready`` marks complete.
     ``hidden_states``, when kept, holds the final hidden state of every logits row.
@@ -45,7 +46,7 @@ class PendingOutput:
 
     def __init__(
         self,
-        requests: list[tuple[Request, list[int]]] | None = None,
+        requests: list[tuple[RequestState, list[int]]] | None = None,
         sampled_host: torch.Tensor | None = None,
         ready: torch.cuda.Event | None = None,
         logprobs: LogprobsTensors | None = None,
@@ -57,10 +58,17 @@ class PendingOutput:
         self.logprobs = logprobs
         self.prompt_logprobs = prompt_logprobs or {}
         self.hidden_states: torch.Tensor | None = None
+        self._result: RunnerOutput | None = None
 
     def result(self) -> RunnerOutput:
         """Wait for the step's tokens and fold drafts: a request's tokens are its sampled
-        rows up to and including the first one that differs from its draft."""
+        rows up to and including the first one that differs from its draft. The first call
+        appends them to the runner's request states; later calls return the same output."""
+        if self._result is None:
+            self._result = self._read()
+        return self._result
+
+    def _read(self) -> RunnerOutput:
         out = RunnerOutput(prompt_logprobs=self.prompt_logprobs)
         if self.sampled_host is None:
             return out
@@ -77,6 +85,7 @@ class PendingOutput:
                 if j == len(drafts) or sampled[i + j] != drafts[j]:
                     break
             out.sampled[r.request_id] = tokens
+            r.append_tokens(tokens)
             last_rows.append(i + len(tokens) - 1)
             if entries is not None and r.sampling_params.logprobs is not None:
                 out.logprobs[r.request_id] = entries[i : i + len(tokens)]

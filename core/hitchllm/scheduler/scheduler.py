@@ -27,11 +27,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from hitchllm.kv_cache.manager import KVCacheManager
 from hitchllm.request import Request, RequestStatus
 from hitchllm.scheduler.policy import PreemptionPolicy
+from hitchllm.scheduler.step_plan import NewRequestData, StepPlan
 from hitchllm.scheduler.stop import check_stop
 
 
@@ -43,33 +44,6 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     policy: PreemptionPolicy = PreemptionPolicy.FCFS
-
-
-@dataclass
-class SchedulerOutput:
-    """One step's batch: requests in row order and how many new tokens each computes."""
-
-    requests: list[Request]
-    num_scheduled_tokens: list[int]
-    # Per row: whether the row's last scheduled token is the request's newest token, so the
-    # step samples for it (false for a chunk in the middle of a prompt).
-    samples: list[bool]
-    # Per row: tokens whose K/V were cached before this step (the requests' own counters
-    # already include this step's tokens).
-    num_computed_tokens: list[int] = field(default_factory=list)
-    # Requests whose runner rows must be dropped before this step: finished or preempted
-    # since the last step.
-    released_ids: list[str] = field(default_factory=list)
-    # Of those, the ones that finished (their per-request sampling state goes too).
-    finished_ids: list[str] = field(default_factory=list)
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.requests
 
 
 @dataclass
@@ -91,8 +65,11 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
-        self._released: list[str] = []
+        self._preempted: list[str] = []
         self._finished: list[str] = []
+        # How many of each request's blocks the runner has been told of; a request missing
+        # here is new to the runner (first scheduled, or scheduled again after preemption).
+        self._blocks_sent: dict[str, int] = {}
         # Groups of requests to run apart after a failed step; the first group runs now.
         self._suspects: list[set[Request]] = []
 
@@ -121,13 +98,13 @@ class Scheduler:
         request.status = status
         self._clear_suspect(request)
         self.kv_cache.free(request)
-        self._released.append(request.request_id)
+        self._blocks_sent.pop(request.request_id, None)
         self._finished.append(request.request_id)
         del self.requests[request.request_id]
 
     # ---- one step ----------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> StepPlan:
         """Choose this step's batch."""
         budget = self.config.max_num_batched_tokens
         scheduled: dict[Request, int] = {}
@@ -192,11 +169,33 @@ class Scheduler:
         for request, num_new, sample in zip(requests, counts, samples):
             request.num_computed_tokens += num_new
             request.num_pending_tokens += sample
-        released, self._released = self._released, []
-        finished, self._finished = self._finished, []
+        plan = StepPlan([r.request_id for r in requests], counts, computed, samples)
+        for request in requests:
+            self._plan_request(plan, request)
+        plan.preempted_ids, self._preempted = self._preempted, []
+        plan.finished_ids, self._finished = self._finished, []
         self.stats.num_running = len(self.running)
         self.stats.num_waiting = len(self.waiting)
-        return SchedulerOutput(requests, counts, samples, computed, released, finished)
+        return plan
+
+    def _plan_request(self, plan: StepPlan, request: Request) -> None:
+        """Add what the runner needs to know of a scheduled request beyond its row's counts:
+        its data when it is new to the runner, its new blocks, its drafts (copies: the
+        request's lists go on changing while the plan is in flight)."""
+        rid = request.request_id
+        blocks = self.kv_cache.get_block_ids(rid)
+        sent = self._blocks_sent.get(rid)
+        if sent is None:
+            sent = 0
+            plan.new_requests.append(NewRequestData(
+                rid, request.prompt_token_ids, request.sampling_params, request.eos_token_ids,
+                list(request.output_token_ids), request.lora_request))
+        plan.new_block_ids.append(blocks[sent:])
+        self._blocks_sent[rid] = len(blocks)
+        if request.spec_token_ids:
+            plan.draft_token_ids[rid] = list(request.spec_token_ids)
+            if request.spec_token_probs is not None:
+                plan.draft_probs[rid] = request.spec_token_probs[: len(request.spec_token_ids)]
 
     def _next_waiting(self, allowed: set[Request] | None) -> Request | None:
         if allowed is None:
@@ -270,20 +269,26 @@ class Scheduler:
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.config.policy.enqueue(self.waiting, request, front=True)
-        self._released.append(request.request_id)
+        self._blocks_sent.pop(request.request_id, None)
+        self._preempted.append(request.request_id)
 
     def update_from_output(
-        self, output: SchedulerOutput, sampled: dict[str, list[int]]
+        self, plan: StepPlan, requests: list[Request], sampled: dict[str, list[int]]
     ) -> list[Request]:
         """Append the step's sampled tokens, finish requests that stop.
 
-        ``sampled`` maps request id to the tokens accepted for it this step (one token, or
-        more with speculative decoding). A request preempted since the step was scheduled
-        still gets its token (it was sampled from a complete context); an aborted one does
-        not. Returns the requests that got new tokens.
+        ``requests`` are the ``Request`` objects of ``plan``'s rows (as scheduled: an id may
+        name a new request by the time the step completes). ``sampled`` maps request id to
+        the tokens accepted for it this step (one token, or more with speculative decoding).
+        A request preempted since the step was scheduled still gets its token (it was sampled
+        from a complete context); an aborted one does not. Returns the requests that got new
+        tokens.
+
+        Stop decisions are the scheduler's alone: token stops here (``check_stop``), stop
+        strings (found by the detokenizer) through ``finish_requests``.
         """
         updated = []
-        for request, sample in zip(output.requests, output.samples):
+        for request, sample in zip(requests, plan.samples, strict=True):
             if not sample:
                 continue
             request.num_pending_tokens -= 1

@@ -1,0 +1,79 @@
+"""Executors: what stands between the engine and the model runner(s).
+
+The engine hands an executor plain data (a ``StepPlan``, a number of KV blocks) and gets
+plain data back (a ``RunnerOutput``), so the runners may live in this process, in worker
+processes (torch.distributed) or on Ray actors. The in-process executor is the one the core
+ships; distributed executors implement the same interface.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Protocol
+
+from hitchllm.attention import KVCacheSpec
+from hitchllm.engine.model_runner import ModelRunner
+from hitchllm.engine.runner_output import RunnerOutput
+from hitchllm.scheduler.step_plan import StepPlan
+
+
+class RunnerOutputFuture(Protocol):
+    """A launched step's output."""
+
+    def result(self) -> RunnerOutput:
+        """Wait for the step and return its output; later calls return the same output."""
+        ...
+
+
+class Executor(abc.ABC):
+    """Runs step plans on the model runner(s) of one engine.
+
+    Set-up order, as for a runner: ``measure_peak_memory`` (CUDA, to size the KV cache),
+    ``initialize_kv_cache``, then ``capture_cuda_graphs`` when graphs are wanted.
+    """
+
+    @property
+    @abc.abstractmethod
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        """What each attention layer caches per token, in layer order (on one runner: with
+        tensor parallelism, each runner's share)."""
+
+    @abc.abstractmethod
+    def measure_peak_memory(self) -> int:
+        """Peak device bytes of a worst-case step (the largest over the runners)."""
+
+    @abc.abstractmethod
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate every runner's KV cache with ``num_blocks`` blocks."""
+
+    @abc.abstractmethod
+    def capture_cuda_graphs(self) -> None:
+        """Capture the decode graphs (after ``initialize_kv_cache``); a no-op off CUDA."""
+
+    @abc.abstractmethod
+    def execute_model(self, step: StepPlan) -> RunnerOutputFuture:
+        """Launch ``step`` on every runner and return at once; the future's ``result()``
+        gives the step's output. Steps run in the order they are launched."""
+
+
+class InProcessExecutor(Executor):
+    """One model runner in the engine's own process."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    @property
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        return self.runner.kv_cache_specs
+
+    def measure_peak_memory(self) -> int:
+        return self.runner.measure_peak_memory()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.runner.initialize_kv_cache(num_blocks)
+
+    def capture_cuda_graphs(self) -> None:
+        self.runner.capture_cuda_graphs()
+
+    def execute_model(self, step: StepPlan) -> RunnerOutputFuture:
+        return self.runner.execute_async(step)
