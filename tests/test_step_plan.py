@@ -57,7 +57,7 @@ def test_the_runner_imports_nothing_of_the_scheduler_side():
 def test_the_runner_generates_from_hand_written_plans(llama_path):
     """Plans written by hand (no scheduler, blocks picked arbitrarily) drive the runner to
     the tokens transformers generates: the plan is all the runner needs."""
-    runner = LLM(llama_path, block_size=4, num_kv_blocks=64).engine.executor.runner
+    runner = LLM(llama_path, block_size=4, num_kv_blocks=64, dtype="float32").engine.executor.runner
     prompts = mixed_prompts(3, lengths=(6, 13))
     blocks = {"x": [63, 5, 17, 40, 2, 33, 8, 51], "y": [1, 60, 22, 9, 48, 30, 14, 3]}
     new = [NewRequestData(rid, p, greedy()) for rid, p in zip(blocks, prompts)]
