@@ -1,0 +1,1 @@
+"""hitchllm-quantization: quantized weights and an fp8 KV cache for hitchllm."""
