@@ -82,7 +82,7 @@ def test_new_keys_and_values_land_in_their_slots_and_padding_is_skipped():
 
     before = cache.clone()
     key = torch.ones(2, 32)
-    kernels.write_kv_cache[(2,)](key, key, cache, torch.tensor([-1, -1]), 32, 32,
+    kernels.write_kv_cache[(2,)](key, key, cache, torch.tensor([-1, -1]), None, None, 32, 32,
                                 cache.stride(0), TOKEN_SIZE=32, TOKEN_PAD=32)
     assert torch.equal(cache, before)
 

@@ -9,10 +9,18 @@ per engine step on the wrapper that fits the batch; every layer then runs on it:
   so its page lists live in buffers the graph captured, and re-planned before each replay;
 - any other step (prompts, prompt chunks over a cached prefix, mixed batches) uses
   ``BatchPrefillWithPagedKVCacheWrapper`` with a bottom-right causal mask.
+
+An fp8 KV cache (e4m3 or e5m2) is planned with ``kv_data_type`` fp8: FlashInfer's kernels read
+the fp8 pages and convert them in registers. The layer's scales are device tensors, while
+FlashInfer's ``run(k_scale=, v_scale=)`` takes host floats (folded into the softmax scale at
+call time, which would need a host read each step and freeze the value into a CUDA graph), so
+the impl applies them itself on the device: ``k_scale`` multiplies the query and ``v_scale``
+the output (exact up to one rounding of q, since scores and output are linear in K and V).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 from dataclasses import dataclass
@@ -22,6 +30,7 @@ import numpy as np
 import torch
 
 from hitchllm.attention import (
+    FP8_DTYPES,
     AttentionBackend,
     AttentionImpl,
     AttentionMetadataBuilder,
@@ -31,6 +40,7 @@ from hitchllm.attention import (
     kernel_reasons,
     nhd_cache_shape,
     pad_rows,
+    quantize_kv,
     write_nhd,
 )
 
@@ -205,7 +215,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
 
 
 class FlashInferAttentionImpl(AttentionImpl):
-    """Writes K/V into the pages, then runs the step's planned wrapper."""
+    """Writes K/V into the pages (quantized with the layer's scales for an fp8 cache), then
+    runs the step's planned wrapper."""
 
     def __init__(
         self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, spec: AttentionSpec
@@ -225,18 +236,30 @@ class FlashInferAttentionImpl(AttentionImpl):
         metadata: FlashInferMetadata,
     ) -> torch.Tensor:
         n = metadata.num_tokens
-        write_nhd(kv_cache, key, value, metadata.slot_mapping)
+        fp8 = kv_cache.dtype in FP8_DTYPES
+        if fp8:  # indexed copies of fp8 go through the same bytes viewed as uint8
+            write_nhd(kv_cache.view(torch.uint8),
+                      quantize_kv(key, self.k_scale, kv_cache.dtype).view(torch.uint8),
+                      quantize_kv(value, self.v_scale, kv_cache.dtype).view(torch.uint8),
+                      metadata.slot_mapping)
+        else:
+            write_nhd(kv_cache, key, value, metadata.slot_mapping)
         if metadata.wrapper is None:
             return torch.zeros_like(query)
         q = query[:n].contiguous()
-        if self.q_factor is not None:
+        if fp8 and self.k_scale is not None:  # scores are q . (stored K) * k_scale
+            q = q * (self.k_scale * (self.q_factor or 1.0))
+        elif self.q_factor is not None:
             q = q * self.q_factor
-        return pad_rows(metadata.wrapper.run(q, (kv_cache[0], kv_cache[1])), query.shape[0])
+        out = metadata.wrapper.run(q, (kv_cache[0], kv_cache[1]))
+        if fp8 and self.v_scale is not None:
+            out = out * self.v_scale
+        return pad_rows(out, query.shape[0])
 
 
 class FlashInferAttentionBackend(AttentionBackend):
     """FlashInfer's paged attention: batch prefill and batch decode, GQA/MQA, sliding window,
-    logits soft-cap, CUDA graphs for decode batches."""
+    logits soft-cap, fp8 KV caches (e4m3, e5m2), CUDA graphs for decode batches."""
 
     name: ClassVar[str] = "FLASHINFER"
     priority: ClassVar[int] = 90
@@ -254,7 +277,14 @@ class FlashInferAttentionBackend(AttentionBackend):
             major, minor = spec.device_capability
             reasons.append(f"compute capability {major}.{minor} is below 8.0 (FlashInfer's "
                            "bf16/fp16 kernels need Ampere or newer)")
-        reasons += kernel_reasons(spec)
+        fp8 = spec.kv_cache_dtype in FP8_DTYPES
+        # The shared checks refuse fp8 caches; FlashInfer reads them (checked below).
+        reasons += kernel_reasons(dataclasses.replace(spec, kv_cache_dtype=spec.dtype) if fp8
+                                  else spec)
+        if fp8 and spec.device_capability is not None and spec.device_capability < (8, 9):
+            major, minor = spec.device_capability
+            reasons.append(f"an fp8 KV cache needs compute capability 8.9 or newer (Ada, "
+                           f"Hopper); this GPU is {major}.{minor} (use kv_cache_dtype=auto)")
         if spec.head_size not in HEAD_SIZES:
             reasons.append(f"head size {spec.head_size} is not supported (FlashInfer serves "
                            f"{', '.join(map(str, HEAD_SIZES))})")

@@ -22,6 +22,12 @@ from hitchllm.attention import (
 from hitchllm_attention_triton.config import KernelConfig, choose_kernel_config
 
 MAX_HEAD_SIZE = 256
+#: Per fp8 format: largest finite value, mantissa bits, smallest normal exponent (what the
+#: cache write rounds to; see kernels._fp8_grid).
+FP8_FORMATS = {
+    torch.float8_e4m3fn: (448.0, 3, -6),
+    torch.float8_e5m2: (57344.0, 2, -14),
+}
 
 
 def _interpreting() -> bool:
@@ -70,7 +76,7 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
             num_reqs=n, max_query_len=common.max_query_len, max_seq_len=common.max_seq_len,
             num_kv_heads=spec.num_kv_heads, group=spec.num_heads // spec.num_kv_heads,
             head_size=spec.head_size, num_sms=self.num_sms, on_gpu=self.device.type == "cuda",
-            force_splits=self.force_num_splits,
+            force_splits=self.force_num_splits, kv_bytes=spec.kv_cache_dtype.itemsize,
         ) if self.kernel_override is None else self.kernel_override
         metadata = TritonAttentionMetadata(
             slot_mapping=common.slot_mapping[: common.num_actual_tokens],
@@ -102,7 +108,22 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
 
 class TritonAttentionImpl(AttentionImpl):
     """Writes K/V with ``write_kv_cache``, then runs ``paged_attention`` (and ``merge_splits``
-    when the context is split)."""
+    when the context is split).
+
+    An fp8 cache is written as ``K / k_scale`` and read with ``k_scale`` / ``v_scale`` inside
+    the kernels: the scales are device tensors read by the kernels, so a CUDA graph replays
+    whatever values they hold. Scales not bound by a layer (direct use) mean 1.0.
+    """
+
+    _unit_scale: torch.Tensor | None = None
+
+    def _scales(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k_scale is not None and self.v_scale is not None:
+            return self.k_scale, self.v_scale
+        if self._unit_scale is None or self._unit_scale.device != device:
+            self._unit_scale = torch.ones((), dtype=torch.float32, device=device)
+        return (self.k_scale if self.k_scale is not None else self._unit_scale,
+                self.v_scale if self.v_scale is not None else self._unit_scale)
 
     def forward(
         self,
@@ -119,11 +140,15 @@ class TritonAttentionImpl(AttentionImpl):
         token_size = self.num_kv_heads * self.head_size
         key = key[:num_tokens].reshape(num_tokens, token_size)
         value = value[:num_tokens].reshape(num_tokens, token_size)
+        fp8 = FP8_FORMATS.get(kv_cache.dtype)
+        # Unused by the kernels when the cache is not fp8: any tensor will do.
+        k_scale, v_scale = self._scales(query.device) if fp8 else (query, query)
         if num_tokens:
+            fmt = {} if fp8 is None else dict(zip(("FP8_MAX", "MANT_BITS", "MIN_EXP"), fp8))
             kernels.write_kv_cache[(num_tokens,)](
-                key, value, kv_cache, metadata.slot_mapping,
+                key, value, kv_cache, metadata.slot_mapping, k_scale, v_scale,
                 key.stride(0), value.stride(0), kv_cache.stride(0),
-                TOKEN_SIZE=token_size, TOKEN_PAD=triton_next_pow2(token_size),
+                TOKEN_SIZE=token_size, TOKEN_PAD=triton_next_pow2(token_size), **fmt,
             )
         out = torch.empty_like(query)
         if num_tokens == 0:
@@ -146,7 +171,7 @@ class TritonAttentionImpl(AttentionImpl):
         kernels.paged_attention[grid](
             out, query, key_cache, value_cache,
             metadata.block_table, metadata.seq_lens, metadata.query_start_loc,
-            tile_req, tile_q0, partial, lse,
+            tile_req, tile_q0, partial, lse, k_scale, v_scale,
             self.scale * 1.4426950408889634, spec.logits_soft_cap or 0.0,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -156,6 +181,7 @@ class TritonAttentionImpl(AttentionImpl):
             HEAD_PAD=head_pad, BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             PAGE=key_cache.shape[1], USE_SOFTCAP=spec.logits_soft_cap is not None,
             WINDOW=spec.sliding_window or 0, NUM_SPLITS=splits, DECODE=decode,
+            FP8=fp8 is not None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if splits > 1:
@@ -173,7 +199,8 @@ def triton_next_pow2(n: int) -> int:
 
 class TritonAttentionBackend(AttentionBackend):
     """Paged attention in Triton: prefill, chunked prefill and decode in one kernel family,
-    GQA/MQA, split-KV decoding, sliding window and logits soft-cap."""
+    GQA/MQA, split-KV decoding, sliding window, logits soft-cap, and fp8 KV caches (e4m3 and
+    e5m2, per-layer scales) read and dequantized in registers."""
 
     name: ClassVar[str] = "TRITON_ATTN"
     priority: ClassVar[int] = 100
@@ -202,9 +229,11 @@ class TritonAttentionBackend(AttentionBackend):
         else:
             reasons.append(f"device type {spec.device_type!r} is not supported (CUDA only)")
         if spec.kv_cache_dtype in FP8_DTYPES:
-            reasons.append(f"an fp8 KV cache ({spec.kv_cache_dtype}) is not supported: the "
-                           "kernels read K/V in the model dtype (use kv_cache_dtype=auto, or "
-                           "the TORCH backend for fp8)")
+            capability = spec.device_capability
+            if spec.device_type == "cuda" and capability is not None and capability < (8, 9):
+                reasons.append(f"an fp8 KV cache needs compute capability 8.9 or newer (Ada, "
+                               f"Hopper) for Triton's fp8 types; this GPU is {capability} "
+                               "(use kv_cache_dtype=auto)")
         elif spec.kv_cache_dtype != spec.dtype:
             reasons.append("a KV-cache dtype different from the model dtype is not supported")
         if spec.head_size > MAX_HEAD_SIZE:

@@ -27,13 +27,17 @@ def _pow2_at_least(n: int) -> int:
 def choose_kernel_config(
     num_reqs: int, max_query_len: int, max_seq_len: int, num_kv_heads: int, group: int,
     head_size: int, num_sms: int, on_gpu: bool, force_splits: int | None = None,
+    kv_bytes: int = 2,
 ) -> KernelConfig:
-    """The configuration for one step's batch."""
+    """The configuration for one step's batch; ``kv_bytes`` is the cache's bytes per element
+    (1 for fp8)."""
     decode_only = max_query_len == 1
     if decode_only:
         block_m = max(16, _pow2_at_least(group))
         block_q = 1
-        block_n = 64 if on_gpu else 16
+        # An fp8 tile of twice the tokens moves the bytes per iteration that the tuned bf16
+        # tile does.
+        block_n = (128 if kv_bytes == 1 else 64) if on_gpu else 16
         num_warps, num_stages = 4, 3
     else:
         block_m = 128 if on_gpu else 16

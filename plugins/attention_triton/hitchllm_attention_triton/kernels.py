@@ -11,6 +11,11 @@ context in ``BLOCK_N``-token tiles (gathering pages through the block table), wi
 softmax in float32 (base-2 exponentials). Tiles entirely below the tile's first query are
 visible to every row and skip the causal mask.
 
+An fp8 cache (``FP8``) is read as fp8, half the bytes of bf16, and converted to the query's
+dtype in registers (exact: every fp8 value is a bf16/fp16 value). The layer's scales never
+touch the tiles: ``k_scale`` multiplies the softmax scale and ``v_scale`` the output, which is
+exact since scores and output are linear in K and V.
+
 With ``NUM_SPLITS > 1`` (decode batches too small to fill the GPU, "flash decoding"), program
 axis 2 splits the context into ranges; each writes its normalized partial output and its
 log-sum-exp, and ``merge_splits`` combines them: ``o = sum_i exp(lse_i - lse) o_i`` with
@@ -26,12 +31,33 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _fp8_grid(x, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
+    """``x`` (float32) clamped to +-``FP8_MAX`` and rounded to nearest, ties to even, on the
+    grid of an fp8 format with ``MANT_BITS`` mantissa bits whose smallest normal exponent is
+    ``MIN_EXP``. The result is exactly representable, so the cast to fp8 that follows is
+    exact: the cache holds what ``torch``'s cast stores, on any GPU and in Triton's
+    interpreter (whose own float-to-fp8 rounding mis-carries into the exponent)."""
+    a = tl.minimum(tl.abs(x), FP8_MAX)
+    exp = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, MIN_EXP)
+    ulp = ((exp - MANT_BITS + 127) << 23).to(tl.float32, bitcast=True)
+    # Adding and subtracting 1.5 * 2**23 rounds 0 <= t < 2**22 to the nearest even integer.
+    t = (a / ulp + 12582912.0) - 12582912.0
+    negative = x.to(tl.int32, bitcast=True) < 0  # the sign bit: -0.0 stays -0.0, as in a cast
+    return tl.where(negative, t * ulp * -1.0, t * ulp)  # Triton's unary minus is 0 - x
+
+
+@triton.jit
 def write_kv_cache(
-    key_ptr, value_ptr, cache_ptr, slot_ptr,
+    key_ptr, value_ptr, cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
     stride_key_t, stride_value_t, cache_kv_stride,
     TOKEN_SIZE: tl.constexpr, TOKEN_PAD: tl.constexpr,
+    FP8_MAX: tl.constexpr = 0.0, MANT_BITS: tl.constexpr = 0, MIN_EXP: tl.constexpr = 0,
 ):
-    """One program per token: copy its [num_kv_heads * head_size] K and V to its slot."""
+    """One program per token: copy its [num_kv_heads * head_size] K and V to its slot.
+
+    An fp8 cache (``FP8_MAX`` > 0: the format's largest finite value) stores
+    ``clamp(K / k_scale)`` rounded to the format (and V likewise), as
+    ``hitchllm.attention.quantize_kv`` does; the scale pointers are unused otherwise."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
     if slot >= 0:
@@ -39,6 +65,11 @@ def write_kv_cache(
         mask = offs < TOKEN_SIZE
         k = tl.load(key_ptr + t * stride_key_t + offs, mask=mask)
         v = tl.load(value_ptr + t * stride_value_t + offs, mask=mask)
+        if FP8_MAX > 0:
+            k = _fp8_grid(tl.div_rn(k.to(tl.float32), tl.load(k_scale_ptr)), FP8_MAX,
+                          MANT_BITS, MIN_EXP)
+            v = _fp8_grid(tl.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)), FP8_MAX,
+                          MANT_BITS, MIN_EXP)
         dst = cache_ptr + slot.to(tl.int64) * TOKEN_SIZE + offs
         tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
         tl.store(dst + cache_kv_stride, v.to(cache_ptr.dtype.element_ty), mask=mask)
@@ -50,7 +81,7 @@ def _attend_tile(
     kv_end, q_pos, d, d_mask, qk_scale, soft_cap,
     stride_blk, stride_tok,
     MASKED: tl.constexpr, USE_SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PAD_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PAD_D: tl.constexpr, FP8: tl.constexpr,
 ):
     pos = start + tl.arange(0, BLOCK_N)
     in_ctx = pos < kv_end
@@ -68,6 +99,8 @@ def _attend_tile(
         k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
     else:
         k = tl.load(k_cache_ptr + kv_ptrs)
+    if FP8:  # stored K / k_scale: k_scale is folded into qk_scale by the caller
+        k = k.to(q.dtype)
     s = tl.dot(q, tl.trans(k))
     if USE_SOFTCAP:
         # soft_cap * tanh(s * scale / soft_cap), with tanh(x) = 2 sigmoid(2x) - 1
@@ -90,6 +123,8 @@ def _attend_tile(
         v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
     else:
         v = tl.load(v_cache_ptr + kv_ptrs)
+    if FP8:  # stored V / v_scale: the caller multiplies the output by v_scale
+        v = v.to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
 
@@ -98,7 +133,7 @@ def _attend_tile(
 def paged_attention(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     block_table_ptr, seq_lens_ptr, query_start_ptr, tile_req_ptr, tile_q0_ptr,
-    partial_out_ptr, partial_lse_ptr,
+    partial_out_ptr, partial_lse_ptr, k_scale_ptr, v_scale_ptr,
     qk_scale, soft_cap,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_blk, stride_tok, stride_head, stride_bt,
@@ -106,7 +141,7 @@ def paged_attention(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DECODE: tl.constexpr,
+    DECODE: tl.constexpr, FP8: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -133,6 +168,9 @@ def paged_attention(
     q = tl.load(q_ptr + token[:, None] * stride_q_t + head[:, None] * stride_q_h + d[None, :],
                 mask=row_valid[:, None] & d_mask[None, :], other=0.0)
 
+    if FP8:  # scores are q . (stored K) * k_scale
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
+
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
@@ -157,15 +195,17 @@ def paged_attention(
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, kv_head_off, start, kv_end,
             q_pos, d, d_mask, qk_scale, soft_cap, stride_blk, stride_tok,
-            False, USE_SOFTCAP, WINDOW, BLOCK_N, PAGE, HEAD_PAD != HEAD_DIM)
+            False, USE_SOFTCAP, WINDOW, BLOCK_N, PAGE, HEAD_PAD != HEAD_DIM, FP8)
     for start in range(unmasked_end, kv_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, kv_head_off, start, kv_end,
             q_pos, d, d_mask, qk_scale, soft_cap, stride_blk, stride_tok,
-            True, USE_SOFTCAP, WINDOW, BLOCK_N, PAGE, HEAD_PAD != HEAD_DIM)
+            True, USE_SOFTCAP, WINDOW, BLOCK_N, PAGE, HEAD_PAD != HEAD_DIM, FP8)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
+    if FP8:  # the weighted sum of stored V, times v_scale (splits merge linearly)
+        out = out * tl.load(v_scale_ptr)
     out_mask = row_valid[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
         tl.store(out_ptr + token[:, None] * stride_o_t + head[:, None] * stride_o_h + d[None, :],
