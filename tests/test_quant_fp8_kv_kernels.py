@@ -12,9 +12,12 @@ implementing the documented semantics of its paged wrappers (plan, then run over
 in their stored dtype). Two interpreter limits: its own float-to-fp8 cast mis-rounds when
 rounding carries into the exponent (the kernel therefore rounds to the fp8 grid itself, which
 ``test_triton_write_stores_exactly_what_quantize_kv_stores`` pins bit for bit), and it flushes
-e5m2 subnormals (< 2^-14) to zero when converting to float16, which the tolerance absorbs. On
-the GPU (marked ``gpu``): both backends at real sizes in bf16, engine greedy tokens against the
-bf16 cache's, and CUDA-graph replay against eager.
+e5m2 subnormals (< 2^-14) to zero when converting to float16, which the tolerance absorbs.
+Engines on CPU: TRITON_ATTN's greedy tokens over an fp8 cache equal TORCH's over the same cache.
+
+On the GPU (marked ``gpu``): both backends at real sizes in bf16 (GQA 32/8, head size 128,
+pages of 16), engine greedy tokens against the bf16 cache's and against TORCH's fp8 path, and
+CUDA-graph replay against eager with scales changed after capture.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ pytest.importorskip("hitchllm_attention_triton")
 pytest.importorskip("hitchllm_attention_flashinfer")
 
 import hitchllm_attention_flashinfer.backend as fi_backend
-from hitchllm import LLM, SamplingParams
+from hitchllm import LLM, SamplingParams, default_model_path
 from hitchllm.attention import AttentionSpec, dequantize_kv, quantize_kv
 from hitchllm_attention_flashinfer import FlashInferAttentionBackend
 from hitchllm_attention_triton import TritonAttentionBackend
@@ -188,6 +191,31 @@ def test_validate_accepts_fp8_where_the_kernels_can_read_it(monkeypatch):
     assert "differs from the model dtype" in mismatch
 
 
+def set_kv_scales(llm: LLM, k_scale: float, v_scale: float) -> LLM:
+    """Give every layer these fp8 scales (in place: the impls and any captured CUDA graph
+    read the same tensors)."""
+    for layer in llm.engine.executor.runner.layers:
+        layer.k_scale.fill_(k_scale)
+        layer.v_scale.fill_(v_scale)
+    return llm
+
+
+@pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2"])
+def test_triton_engine_fp8_tokens_equal_torch_backend_fp8(tiny_models, kv):
+    """The same fp8 cache (written bit for bit alike) read by TRITON_ATTN and by the TORCH
+    reference: equal greedy tokens, with scales that are not powers of two (so a backend
+    that skipped them would store and read different values)."""
+    path = tiny_models["Qwen3ForCausalLM"]
+    prompts = mixed_prompts(5, lengths=(3, 11, 26))
+    kw = dict(block_size=4, kv_cache_dtype=kv, dtype="float32")
+    expected = run(set_kv_scales(LLM(path, attention_backend="TORCH", **kw), 0.3, 1.7),
+                   prompts, max_tokens=6)
+    llm = LLM(path, attention_backend="TRITON_ATTN", max_num_batched_tokens=16,
+              num_kv_blocks=14, **kw)
+    assert llm.engine.executor.runner.kv_caches[0].dtype == (E4M3 if kv == "fp8" else E5M2)
+    assert run(set_kv_scales(llm, 0.3, 1.7), prompts, max_tokens=6) == expected
+
+
 # ---- CPU: FLASHINFER's call path through a stand-in module -----------------------------------
 
 
@@ -330,7 +358,9 @@ def test_gpu_triton_fp8_split_kv_long_context():
         torch.testing.assert_close(out.double().cpu(), ref, atol=2e-2, rtol=2e-2)
 
 
-def _tiny64(tmp_path_factory) -> str:
+@pytest.fixture(scope="module")
+def tiny64(tmp_path_factory) -> str:
+    """A tiny random Qwen3 checkpoint with head size 64 (FlashInfer's smallest)."""
     from hitchllm.tiny_model import build_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("fp8-head64")
@@ -340,38 +370,50 @@ def _tiny64(tmp_path_factory) -> str:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", sorted(BACKENDS))
 @pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2"])
-def test_gpu_engine_fp8_tokens_track_the_bf16_cache(tmp_path_factory, name, kv):
-    """Greedy tokens with an fp8 cache against the bf16 cache's, same backend.
+def test_gpu_triton_engine_fp8_tokens_track_the_bf16_cache(kv):
+    """The bundled (trained) model, bf16, TRITON_ATTN with an fp8 cache against the bf16
+    cache: share of greedy tokens equal up to each sequence's first divergence. The TORCH
+    backend measured 89.8% (e4m3) and 78.1% (e5m2) on these prompts against a float32 cache
+    (tests/test_kv_cache_spec.py); bf16's own rounding moves near ties of this small model
+    too, so the bars are 0.7 and 0.5. A kernel that misread fp8 or a scale agrees on almost
+    nothing."""
+    from test_kv_cache_spec import greedy_agreement
 
-    A random tiny model has nearly flat logits, so fp8's rounding (relative error up to 2^-4
-    for e4m3, 2^-3 for e5m2, per element) can flip a near tie, and after a flip the two
-    continuations diverge for good. So the check counts tokens before each sequence's first
-    disagreement: at least 80% of them over the batch (e4m3; 60% for e5m2's coarser grid),
-    and every sequence's first token (decided by the prompt's attention alone) must agree.
-    """
-    _usable(name, E4M3 if kv == "fp8" else E5M2)
-    path = _tiny64(tmp_path_factory)
-    prompts = mixed_prompts(4, lengths=(5, 33, 64, 17, 120, 9))
-    base = run(LLM(path, device="cuda", dtype="bfloat16", attention_backend=name), prompts,
-               max_tokens=16)
-    got = run(LLM(path, device="cuda", dtype="bfloat16", attention_backend=name,
-                  kv_cache_dtype=kv), prompts, max_tokens=16)
-    assert [g[0] for g in got] == [b[0] for b in base]
-    prefix = 0
-    for g, b in zip(got, base):
-        same = next((i for i, (x, y) in enumerate(zip(g, b)) if x != y), len(b))
-        prefix += same
-    total = sum(len(b) for b in base)
-    assert prefix >= (0.8 if kv == "fp8" else 0.6) * total, (got, base)
+    model = default_model_path()
+    kw = dict(device="cuda", dtype="bfloat16", attention_backend="TRITON_ATTN",
+              kv_cache_memory="256MiB")
+    rate = greedy_agreement(LLM(model, **kw), LLM(model, kv_cache_dtype=kv, **kw))
+    print(f"TRITON_ATTN {kv}: {rate:.1%} of greedy tokens equal to the bf16 cache's")
+    assert rate >= (0.7 if kv == "fp8" else 0.5)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(BACKENDS))
-def test_gpu_fp8_cuda_graph_replay_equals_eager(tmp_path_factory, name):
+def test_gpu_engine_fp8_tokens_track_torch_backend_fp8(tiny64, name):
+    """The same fp8 cache read by each kernel and by the TORCH reference (scales 0.3 / 1.7):
+    the kernels differ from TORCH only in bf16 arithmetic order, so greedy tokens agree as
+    the bf16 backends do with each other (tests/test_vendor_attention.py: >= 90%)."""
     _usable(name)
-    path = _tiny64(tmp_path_factory)
+    prompts = mixed_prompts(2, lengths=(5, 33, 64, 17, 120))
+
+    def tokens(backend):
+        llm = LLM(tiny64, device="cuda", dtype="bfloat16", attention_backend=backend,
+                  kv_cache_dtype="fp8")
+        return run(set_kv_scales(llm, 0.3, 1.7), prompts, max_tokens=12)
+
+    base, got = tokens("TORCH"), tokens(name)
+    agree = sum(a == b for g, r in zip(got, base) for a, b in zip(g, r))
+    assert agree >= 0.9 * sum(len(r) for r in base)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_gpu_fp8_cuda_graph_replay_equals_eager(tiny64, name):
+    """Graphs captured with the default scales, replayed after the scales change: the
+    kernels read the scale tensors at replay, so replay equals eager."""
+    _usable(name)
+    path = tiny64
     prompts = mixed_prompts(3, lengths=(1, 3, 7, 16, 29, 45, 5, 12, 33))
     lens = (40, 3, 17, 25, 9, 33, 1, 12, 28)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in lens]
@@ -382,6 +424,7 @@ def test_gpu_fp8_cuda_graph_replay_equals_eager(tmp_path_factory, name):
 
     graphs = LLM(path, device="cuda", attention_backend=name, kv_cache_dtype="fp8")
     assert graphs.engine.executor.runner.graphs.captured
-    eager = LLM(path, device="cuda", attention_backend=name, kv_cache_dtype="fp8",
-                enforce_eager=True)
+    set_kv_scales(graphs, 0.3, 1.7)
+    eager = set_kv_scales(LLM(path, device="cuda", attention_backend=name,
+                              kv_cache_dtype="fp8", enforce_eager=True), 0.3, 1.7)
     assert generate(graphs) == generate(eager)
