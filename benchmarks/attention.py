@@ -10,12 +10,19 @@ also times a grid of launch configurations for the headline shapes (used to choo
 hitchllm_attention_triton/config.py). Times are device times of calls replayed from CUDA
 graphs, for every backend.
 
-    python benchmarks/attention.py [--sweep] [--tune] [--results benchmarks/RESULTS.md]
+``--kv-cache-dtype fp8`` (or ``fp8_e5m2``) instead times every backend that reads fp8 with a
+bf16 cache and with an fp8 cache of the same values side by side (issue 15: fp8 decode at
+most 0.6x the bf16 time, ideally the byte ratio 0.5x), checks each fp8 output against the
+bf16 one within fp8's rounding, and with ``--tune`` tunes the fp8 decode tile instead.
+
+    python benchmarks/attention.py [--sweep] [--tune] [--kv-cache-dtype fp8]
+                                   [--results benchmarks/RESULTS.md]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import math
 from datetime import date
@@ -25,8 +32,14 @@ import numpy as np
 import torch
 import triton.testing
 
-from hitchllm.attention import AttentionBackend, AttentionSpec, CommonAttentionMetadata
+from hitchllm.attention import (
+    AttentionBackend,
+    AttentionSpec,
+    CommonAttentionMetadata,
+    quantize_kv,
+)
 from hitchllm.attention.selector import discover_backends
+from hitchllm.config import parse_kv_cache_dtype
 from hitchllm.entrypoints.machine import describe_machine
 from hitchllm_attention_triton import TritonAttentionBackend
 from hitchllm_attention_triton.config import KernelConfig
@@ -54,8 +67,8 @@ class Case:
     def decode(self) -> bool:
         return max(self.query_lens) == 1
 
-    def kv_bytes(self) -> int:
-        return sum(self.seq_lens) * self.num_kv_heads * HEAD * 2 * 2
+    def kv_bytes(self, itemsize: int = 2) -> int:
+        return sum(self.seq_lens) * self.num_kv_heads * HEAD * 2 * itemsize
 
     def flops(self) -> int:
         visible = sum(c * q + q * (q + 1) // 2 for c, q in zip(self.context_lens, self.query_lens))
@@ -63,7 +76,8 @@ class Case:
 
 
 class Bench:
-    """The tensors of one case: a shared paged cache with randomly permuted pages."""
+    """The tensors of one case: a shared paged cache with randomly permuted pages, and KV
+    scales of 1.0 bound to each impl as an ``Attention`` layer binds them."""
 
     def __init__(self, case: Case) -> None:
         self.case = case
@@ -82,6 +96,7 @@ class Bench:
         # One spare page: the write sink of the FLASHINFER / FLASH_ATTN layout.
         self.cache = torch.randn(2, num_pages + 1, PAGE, case.num_kv_heads, HEAD, dtype=DTYPE,
                                  device="cuda")
+        self.scale = torch.ones((), dtype=torch.float32, device="cuda")
         num_tokens = sum(case.query_lens)
         self.q = torch.randn(num_tokens, case.num_heads, HEAD, dtype=DTYPE, device="cuda")
         qsl = np.zeros(len(pages) + 1, dtype=np.int32)
@@ -101,6 +116,13 @@ class Bench:
             torch.device("cuda"), dtype=DTYPE, kv_cache_dtype=DTYPE, head_size=HEAD,
             num_heads=case.num_heads, num_kv_heads=case.num_kv_heads, block_size=PAGE)
 
+    def with_kv_dtype(self, kv_dtype: torch.dtype) -> Bench:
+        """The same case (queries, pages) over this cache's values stored in ``kv_dtype``."""
+        other = copy.copy(self)
+        other.cache = quantize_kv(self.cache, self.scale, kv_dtype)
+        other.spec = dataclasses.replace(self.spec, kv_cache_dtype=kv_dtype)
+        return other
+
     def triton_fn(self, kernel: KernelConfig | None = None):
         builder = TritonAttentionBackend.get_builder_cls()(self.spec, torch.device("cuda"))
         builder.kernel_override = kernel
@@ -108,6 +130,7 @@ class Bench:
         c = self.case
         impl = TritonAttentionBackend.get_impl_cls()(c.num_heads, HEAD, HEAD**-0.5,
                                                      c.num_kv_heads, self.spec)
+        impl.k_scale = impl.v_scale = self.scale
         empty = self.q.new_empty(self.q.shape[0], c.num_kv_heads, HEAD)
         return meta.kernel, lambda: impl.forward(self.q, empty, empty, self.cache, meta)
 
@@ -118,6 +141,7 @@ class Bench:
         c = self.case
         meta = backend.get_builder_cls()(self.spec, torch.device("cuda")).build(self.common)
         impl = backend.get_impl_cls()(c.num_heads, HEAD, HEAD**-0.5, c.num_kv_heads, self.spec)
+        impl.k_scale = impl.v_scale = self.scale
         new_kv = self.q.new_zeros(self.q.shape[0], c.num_kv_heads, HEAD)
         return lambda: impl.forward(self.q, new_kv, new_kv, self.cache, meta)
 
@@ -195,11 +219,51 @@ HEADER = ("| shape | TRITON_ATTN | FLASHINFER (speed vs TRITON_ATTN) | FLASH_ATT
           "TRITON_ATTN) | TRITON_ATTN config |\n|---|---|---|---|---|")
 
 
-def tune(case: Case) -> None:
-    print(f"\n## tuning {case.name}")
+def measure_kv_dtypes(case: Case, kv_dtype: torch.dtype) -> dict:
+    """Each backend that reads ``kv_dtype`` timed over a bf16 cache and over the same values
+    in ``kv_dtype``: {name: (bf16 us, fp8 us)}, plus TRITON_ATTN's fp8 configuration."""
+    full = Bench(case)
+    fp8 = full.with_kv_dtype(kv_dtype)
+    # The fp8 values read back into a bf16 cache (exact with scale 1): what the fp8 kernels
+    # must compute, up to bf16 arithmetic.
+    dequantized = copy.copy(full)
+    dequantized.cache = fp8.cache.to(DTYPE)
+    backends = {"TRITON_ATTN": TritonAttentionBackend, **vendor_backends()}
+    row: dict = {"case": case.name, "times": {}}
+    for name, backend in backends.items():
+        fns = full.backend_fn(backend), fp8.backend_fn(backend)
+        if None in fns:  # cannot serve the case, or cannot read fp8
+            continue
+        err = (fns[1]().float() - dequantized.backend_fn(backend)().float()).abs().max().item()
+        if err > 5e-2:
+            raise AssertionError(f"{case.name}: {name} over the {kv_dtype} cache and over its "
+                                 f"values in bf16 differ by {err}")
+        row["times"][name] = tuple(time_us(fn) for fn in fns)
+    row["config"] = fp8.triton_fn()[0]
+    row["bytes"] = case.kv_bytes(), case.kv_bytes(kv_dtype.itemsize)
+    return row
+
+
+def fmt_kv_dtypes(row: dict, names: list[str]) -> str:
+    cells = []
+    for name in names:
+        if name not in row["times"]:
+            cells.append("-")
+            continue
+        full, fp8 = row["times"][name]
+        tbs = [b / 1e12 / (us / 1e6) for b, us in zip(row["bytes"], (full, fp8))]
+        cells.append(f"{full:.1f} us ({tbs[0]:.2f} TB/s) -> {fp8:.1f} us ({tbs[1]:.2f} TB/s), "
+                     f"**{fp8 / full:.2f}x**")
+    c = row["config"]
+    cfg = f"q{c.block_q} m{c.block_m} n{c.block_n} w{c.num_warps} s{c.num_stages} x{c.num_splits}"
+    return f"| {row['case']:<28} | " + " | ".join(cells) + f" | {cfg} |"
+
+
+def tune(case: Case, kv_dtype: torch.dtype = DTYPE) -> None:
+    print(f"\n## tuning {case.name}, KV cache {str(kv_dtype).removeprefix('torch.')}")
     grid = []
     group = case.num_heads // case.num_kv_heads
-    for block_n in (32, 64, 128):
+    for block_n in (32, 64, 128, 256):
         for warps in (4, 8):
             for stages in (2, 3, 4):
                 if case.decode:
@@ -208,7 +272,7 @@ def tune(case: Case) -> None:
                     for block_m in (64, 128):
                         grid.append(KernelConfig(block_m // group, block_m, block_n, warps,
                                                  stages, 1))
-    bench = Bench(case)
+    bench = Bench(case) if kv_dtype == DTYPE else Bench(case).with_kv_dtype(kv_dtype)
     results = []
     for cfg in grid:
         try:
@@ -224,8 +288,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--tune", action="store_true")
+    parser.add_argument("--kv-cache-dtype", choices=["fp8", "fp8_e4m3", "fp8_e5m2"],
+                        help="time bf16 against this fp8 cache, side by side")
     parser.add_argument("--results", type=Path)
     args = parser.parse_args()
+    if args.kv_cache_dtype:
+        compare_kv_dtypes(args, parse_kv_cache_dtype(args.kv_cache_dtype, DTYPE))
+        return
     lines = [f"### attention kernels ({date.today()}, {describe_machine()})", "",
              "`python benchmarks/attention.py" + (" --sweep" if args.sweep else "") + "`", "",
              HEADER]
@@ -239,6 +308,39 @@ def main() -> None:
     if args.tune:
         for case in headline_cases()[:2] + headline_cases()[-1:]:
             tune(case)
+    if args.results:
+        with args.results.open("a") as f:
+            f.write("\n" + "\n".join(lines) + "\n")
+
+
+def compare_kv_dtypes(args: argparse.Namespace, kv_dtype: torch.dtype) -> None:
+    kv = str(kv_dtype).removeprefix("torch.")
+    probe = AttentionSpec.for_device(torch.device("cuda"), dtype=DTYPE, kv_cache_dtype=kv_dtype,
+                                     head_size=HEAD, num_heads=32, num_kv_heads=8,
+                                     block_size=PAGE)
+    names = [name for name, backend in {"TRITON_ATTN": TritonAttentionBackend,
+                                        **vendor_backends()}.items()
+             if not backend.validate(probe)]  # the backends that read fp8
+    header = ("| shape | " + " | ".join(f"{n}: bf16 -> {kv} (time ratio)" for n in names)
+              + f" | TRITON_ATTN {kv} config |\n|---|" + "---|" * (len(names) + 1))
+    lines = [f"### attention kernels, bf16 vs {kv} KV cache ({date.today()}, "
+             f"{describe_machine()})", "",
+             f"`python benchmarks/attention.py --kv-cache-dtype {args.kv_cache_dtype}"
+             + (" --sweep" if args.sweep else "") + "`", "",
+             "Same values in both caches (the fp8 one rounded, scales 1.0); TB/s counts the "
+             "bytes each cache holds. Issue 15's goal: decode 64x2048 at most 0.6x the bf16 "
+             "time (about 0.5x, the byte ratio).", "", header]
+    # Decode only: the bytes read are the point (a prefill step is compute bound).
+    cases = [c for c in headline_cases() + (sweep_cases() if args.sweep else []) if c.decode]
+    print(header)
+    for case in cases:
+        line = fmt_kv_dtypes(measure_kv_dtypes(case, kv_dtype), names)
+        print(line, flush=True)
+        lines.append(line)
+        torch.cuda.empty_cache()
+    if args.tune:
+        for case in headline_cases()[:1] + headline_cases()[-1:]:
+            tune(case, kv_dtype)
     if args.results:
         with args.results.open("a") as f:
             f.write("\n" + "\n".join(lines) + "\n")
