@@ -5,8 +5,9 @@
 # the gain of each piece shows, then the first 128 prompts against Hugging Face generate.
 # Every table is appended to $RESULTS (default benchmarks/RESULTS.md).
 # With the argument "backends": the auto choice, then every GPU backend forced (fastest of two
-# runs each), so the selector's choice can be checked against the fastest.
-#   bash benchmarks/throughput_gpu.sh [backends]   # after installing the core and plugins
+# runs each), so the selector's choice can be checked against the fastest. With "fp8":
+# TRITON_ATTN with a bf16 KV cache, then with an fp8 (e4m3) one (fastest of two runs each).
+#   bash benchmarks/throughput_gpu.sh [backends|fp8]   # after installing the core and plugins
 set -euo pipefail
 model="${MODEL:-/tmp/qwen3-0.6b}"
 results="${RESULTS:-benchmarks/RESULTS.md}"
@@ -16,6 +17,13 @@ bench() {
         --input-len 100 1024 --output-len 100 1024 --seed 0 --block-size 16 --dtype bfloat16 \
         --append-results "$results" "$@" 2>&1 | grep -v INFO
 }
+if [ "${1:-}" = fp8 ]; then  # issue 15: fp8 KV cache against bf16 KV, same run, best of two
+    for kv in auto fp8; do
+        bench --repeat 2 --attention-backend TRITON_ATTN --kv-cache-dtype "$kv" \
+            --label "Qwen3-0.6B shape, TRITON_ATTN, kv_cache_dtype=$kv"
+    done
+    exit 0
+fi
 if [ "${1:-}" = backends ]; then
     bench --repeat 2 --label "Qwen3-0.6B shape, auto backend choice"
     for name in TRITON_ATTN FLASHINFER FLASH_ATTN; do
