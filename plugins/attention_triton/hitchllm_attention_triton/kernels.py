@@ -39,9 +39,12 @@ def _fp8_grid(x, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.con
     interpreter (whose own float-to-fp8 rounding mis-carries into the exponent)."""
     a = tl.minimum(tl.abs(x), FP8_MAX)
     exp = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, MIN_EXP)
+    # The grid's spacing at this exponent and its inverse, both powers of two built from their
+    # bits: multiplying by them is exact (no division, which Triton may approximate).
     ulp = ((exp - MANT_BITS + 127) << 23).to(tl.float32, bitcast=True)
+    per_ulp = ((MANT_BITS - exp + 127) << 23).to(tl.float32, bitcast=True)
     # Adding and subtracting 1.5 * 2**23 rounds 0 <= t < 2**22 to the nearest even integer.
-    t = (a / ulp + 12582912.0) - 12582912.0
+    t = (a * per_ulp + 12582912.0) - 12582912.0
     negative = x.to(tl.int32, bitcast=True) < 0  # the sign bit: -0.0 stays -0.0, as in a cast
     return tl.where(negative, t * ulp * -1.0, t * ulp)  # Triton's unary minus is 0 - x
 
