@@ -321,6 +321,11 @@ def test_unsupported_compressed_tensors_schemes_are_refused(source, tmp_path):
         LLM(path)
     with pytest.raises(ValueError, match="already quantized with 'compressed-tensors'"):
         LLM(path, quantization="fp8")
+    sparse = json.loads(json.dumps(quant_config("compressed-tensors", True, False)))
+    sparse["sparsity_config"] = {"format": "sparse-24-bitmask"}
+    path = write_checkpoint(source, tmp_path / "sparse", {}, sparse)
+    with pytest.raises(ValueError, match="sparsity format 'sparse-24-bitmask' is not supported"):
+        LLM(path)
 
 
 def test_a_gpu_without_fp8_is_refused_naming_the_card(monkeypatch):
@@ -367,3 +372,25 @@ def test_fp8_checkpoint_on_cuda_uses_scaled_mm_and_matches_the_twin(
     torch.testing.assert_close(prompt_logprobs(quantized, prompts),
                                prompt_logprobs(reference, prompts), rtol=0, atol=5e-3)
     assert run(quantized, prompts) == run(reference, prompts)
+
+
+def test_ignored_layers_stay_in_float(source, tmp_path):
+    """``ignored_layers`` (fp8) and ``ignore`` (compressed-tensors, with ``re:`` patterns)
+    keep layers in float: their checkpoint tensors are float weights without scales."""
+    for fmt, ignore in (("fp8", ["model.layers.1.mlp.down_proj"]),
+                        ("compressed-tensors", ["lm_head", "re:.*layers\\.1\\.mlp\\.down_proj"])):
+        path, _ = make_checkpoints(source, tmp_path / fmt, fmt, per_channel=True, static=False)
+        state = load_file(str(Path(path) / "model.safetensors"))
+        original = load_file(str(source / "model.safetensors"))
+        name = "model.layers.1.mlp.down_proj.weight"
+        state[name] = original[name]
+        del state["model.layers.1.mlp.down_proj.weight_scale"]
+        save_file(state, str(Path(path) / "model.safetensors"))
+        config = json.loads((Path(path) / "config.json").read_text())
+        config["quantization_config"]["ignored_layers" if fmt == "fp8" else "ignore"] = ignore
+        (Path(path) / "config.json").write_text(json.dumps(config))
+        model = LLM(path, block_size=4, dtype="float32").engine.executor.runner.model
+        down = model.model.layers[1].mlp.down_proj
+        assert type(down.linear_method).__name__ == "UnquantizedLinearMethod"
+        torch.testing.assert_close(down.weight, original[name], rtol=0, atol=0)
+        assert model.model.layers[0].mlp.down_proj.weight.dtype == FP8

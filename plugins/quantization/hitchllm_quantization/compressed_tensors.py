@@ -99,6 +99,10 @@ class CompressedTensors:
                              "quantize a float checkpoint at load use quantization='fp8'")
         # ``kv_cache_scheme`` (fp8 KV-cache k_scale/v_scale) is read by the KV-cache side of
         # this plugin, not by the weight method: it is left alone here on purpose.
+        sparsity = (config.get("sparsity_config") or {}).get("format")
+        if sparsity not in (None, "dense"):
+            raise ValueError(f"compressed-tensors sparsity format {sparsity!r} is not supported; "
+                             "hitchllm loads dense FP8 checkpoints")
         groups = config.get("config_groups") or {}
         if not groups:
             raise ValueError("compressed-tensors quantization_config has no config_groups")
