@@ -8,7 +8,8 @@ number of tokens ``M``, it prints microseconds, TFLOP/s (``2 M N K`` per call) a
 ratio (bf16 time / fp8 time; above 1: fp8 faster), plus the fp8 output's relative error
 against bf16 as a sanity check. Times are CUDA-event times of calls replayed from a CUDA graph
 (the engine replays decode steps from graphs too, so Python launch overhead counts for
-neither side); the fp8 time includes the activation quantization.
+neither side); the fp8 time includes the activation quantization (one kernel compiled by
+torch.compile, as in the engine; the first shapes include compile time only in warm-up).
 
 Needs only torch and the core and plugin sources (no pydantic):
 
