@@ -433,3 +433,10 @@ def test_scaled_mm_path_wiring_runs_on_the_cpu_where_torch_has_it(
     torch.testing.assert_close(prompt_logprobs(quantized, prompts),
                                prompt_logprobs(reference, prompts), rtol=0, atol=1e-3)
     assert run(quantized, prompts) == run(reference, prompts)
+
+
+def test_without_the_plugin_fp8_names_the_package_to_install(source, monkeypatch):
+    monkeypatch.setenv("HITCHLLM_PLUGINS", "attention_cpu")  # not the quantization plugin
+    with pytest.raises(ValueError, match=r"'fp8' is not provided.*installed: none.*"
+                                         r"pip install -e plugins/quantization"):
+        LLM(str(source), quantization="fp8")
