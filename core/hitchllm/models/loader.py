@@ -55,6 +55,10 @@ def iterate_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
             yield from state.items()
 
 
+# Methods of the hitchllm-quantization plugin, named when it is not installed.
+_PLUGIN_METHODS = ("fp8", "compressed-tensors", "awq")
+
+
 def quantization_method(
     config: ModelConfig, registry: PluginRegistry, requested: str | None
 ) -> Callable[[ModelConfig], QuantizationMethod] | None:
@@ -66,10 +70,13 @@ def quantization_method(
     for result in reversed(registry.hook.hitchllm_quantization_methods()):
         methods.update(result or {})
     if name not in methods:
+        hint = (f"; {name!r} comes with the hitchllm-quantization plugin: pip install "
+                "hitchllm-quantization (from the repository: pip install -e plugins/quantization)"
+                if name in _PLUGIN_METHODS else "")
         raise ValueError(
             f"quantization method {name!r} is not provided by any installed plugin; installed: "
             f"{', '.join(sorted(methods)) or 'none'} (quantization comes from a plugin that "
-            "implements hitchllm_quantization_methods)"
+            f"implements hitchllm_quantization_methods){hint}"
         )
     return methods[name]
 
