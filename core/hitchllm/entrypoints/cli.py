@@ -61,10 +61,10 @@ def add_engine_args(
 
 
 ENGINE_FLAGS = ["tokenizer", "dtype", "kv_cache_dtype", "calculate_kv_scales", "device",
-                "attention_backend", "block_size", "num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization",
-                "max_model_len", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
-                "scheduling_policy", "seed", "enforce_eager", "enable_fusion",
-                "async_scheduling", *VLLM_ARGS_NOT_SUPPORTED]
+                "attention_backend", "block_size", "num_kv_blocks", "kv_cache_memory",
+                "gpu_memory_utilization", "max_model_len", "max_num_seqs",
+                "max_num_batched_tokens", "enable_prefix_caching", "scheduling_policy", "seed",
+                "enforce_eager", "enable_fusion", "async_scheduling", *VLLM_ARGS_NOT_SUPPORTED]
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -21,12 +21,12 @@ from typing import ClassVar
 import torch
 
 from hitchllm.attention import (
+    FP8_DTYPES,
     AttentionBackend,
     AttentionImpl,
     AttentionMetadataBuilder,
     AttentionSpec,
     CommonAttentionMetadata,
-    FP8_DTYPES,
     TorchAttentionBackend,
     kernel_reasons,
 )

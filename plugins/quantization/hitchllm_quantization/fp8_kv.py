@@ -63,13 +63,13 @@ def settle_kv_scales(
     """Check the scales the core loaded and log what the engine serves with; returns the
     calibration to arm at the first step that serves prompts when ``calculate`` is set.
     Raises ``ValueError`` for a checkpoint whose KV-cache scales cannot be served."""
-    scheme = kv_cache_scheme(hf_config)
     if kv_cache_dtype not in FP8_DTYPES:
-        if scheme is not None:
+        if (hf_config.get("quantization_config") or {}).get("kv_cache_scheme") is not None:
             logger.info("the checkpoint declares an fp8 KV cache (quantization_config."
                         "kv_cache_scheme); kv_cache_dtype=auto keeps the model dtype, use "
                         "--kv-cache-dtype fp8 to serve fp8 KV with its scales")
         return None
+    scheme = kv_cache_scheme(hf_config)
     layers = attention_layers(model)
     missing = [layer.layer_index for layer in layers if not (
         layer.k_scale.from_checkpoint and layer.v_scale.from_checkpoint)]
