@@ -26,6 +26,7 @@ from test_torch_attention import CASES
 from hitchllm import LLM, SamplingParams
 from hitchllm.attention import AttentionSpec, KVCacheSpec, TorchAttentionBackend
 from hitchllm.config import EngineConfig, EngineConfigError
+from hitchllm.entrypoints.backends_table import print_backends
 from hitchllm.entrypoints.cli import build_parser, engine_kwargs
 from hitchllm.plugins import get_plugin_registry
 from hitchllm.tiny_model import build_tiny_checkpoint
@@ -105,6 +106,18 @@ def test_fp8_kv_cache_without_the_plugin_names_the_package(llama_path, monkeypat
                        r"hitchllm-quantization plugin.*pip install hitchllm-quantization"):
         engine(llama_path, kv_cache_dtype="fp8_e5m2")
     assert engine(llama_path).engine.kv_cache_dtype == torch.float32  # auto needs no plugin
+
+
+@pytest.mark.parametrize("installed", [True, False])
+def test_hitchllm_backends_says_who_serves_fp8_scales(monkeypatch, capsys, installed):
+    if not installed:
+        monkeypatch.setenv("HITCHLLM_PLUGINS", "no-such-plugin")
+    print_backends(None, "cpu", "auto", 16, "fp8")
+    out = capsys.readouterr().out
+    if installed:
+        assert "fp8 KV-cache scales from: hitchllm-quantization " in out
+    else:
+        assert "engines refuse it; install hitchllm-quantization" in out
 
 
 def test_the_plugin_implements_the_seam():
