@@ -15,6 +15,7 @@ place is seen), and prompts dequantize as they are gathered, as in TORCH.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -40,11 +41,16 @@ _DTYPES = (torch.float32, torch.bfloat16)
 _KV_FORMAT = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 2}
 
 
+@functools.cache
+def _fp8_values(fp8: torch.dtype) -> torch.Tensor:
+    """Every byte of the ``fp8`` format as float32 (index = the byte)."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8).float()
+
+
 def fp8_decode_table(fp8: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
     """Every byte of the ``fp8`` format as float32, times ``scale``: what the kernel reads
     for a stored byte, and exactly TORCH's ``dequantize_kv`` in float32."""
-    table = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8).float()
-    return table if scale is None else table * scale.float()
+    return _fp8_values(fp8) if scale is None else _fp8_values(fp8) * scale.float()
 
 
 @dataclass
