@@ -19,12 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 from attention_reference import make_batch, reference_attention
+from hitchllm_quantization.fp8_kv import KVScaleCalibration
 from safetensors.torch import load_file, save_file
 from test_kv_cache_spec import FP8, fp8_rounded
 from test_torch_attention import CASES
 
 from hitchllm import LLM, SamplingParams
-from hitchllm.attention import AttentionSpec, KVCacheSpec, TorchAttentionBackend
+from hitchllm.attention import Attention, AttentionSpec, KVCacheSpec, TorchAttentionBackend
 from hitchllm.config import EngineConfig, EngineConfigError
 from hitchllm.entrypoints.backends_table import print_backends
 from hitchllm.entrypoints.cli import build_parser, engine_kwargs
@@ -245,6 +246,24 @@ def test_calculated_scales_come_from_the_first_prompt_served(shrunk):
     # Computed once: a later, different prompt leaves them alone.
     prompt_logprobs(llm, [5, 9, 200, 7, 3] * 8)
     assert scales(llm) == got
+
+
+def test_calibration_takes_k_and_v_however_the_model_passes_them():
+    layers = [Attention(4, 8, 2, 8**-0.5, i) for i in range(2)]
+    calibration = KVScaleCalibration(layers, torch.float8_e5m2)
+    calibration.arm()
+    q = torch.randn(3, 32)
+    k, v = torch.randn(3, 16) * 7, torch.zeros(3, 16)
+    for layer, call in zip(layers, (lambda f: f(q, k, v), lambda f: f(q, k=k, v=v))):
+        with pytest.raises(RuntimeError, match="no backend bound"):  # the hook ran first
+            call(layer)
+        assert float(layer.k_scale) == pytest.approx(float(k.abs().max()) / 57344.0)
+        assert float(layer.v_scale) == 1.0  # an all-zero V has no range to fit
+    assert calibration.done
+    layers[0].k_scale.fill_(3.0)
+    with pytest.raises(RuntimeError):
+        layers[0](q, k, v)
+    assert float(layers[0].k_scale) == 3.0  # disarmed after its one step
 
 
 def test_calculated_scales_replace_the_checkpoints(shrunk, tmp_path):

@@ -114,15 +114,18 @@ class KVScaleCalibration:
 
     def arm(self) -> None:
         for layer in self.layers:
-            self._pending[id(layer)] = layer.register_forward_pre_hook(self._calibrate)
+            self._pending[id(layer)] = layer.register_forward_pre_hook(self._calibrate,
+                                                                       with_kwargs=True)
 
     @property
     def done(self) -> bool:
         """Whether every armed layer has computed its scales."""
         return not self._pending
 
-    def _calibrate(self, layer: Attention, args: tuple[torch.Tensor, ...]) -> None:
-        _, k, v = args
+    def _calibrate(
+        self, layer: Attention, args: tuple[torch.Tensor, ...], kwargs: dict[str, torch.Tensor]
+    ) -> None:
+        _, k, v = (*args, *(kwargs[name] for name in ("q", "k", "v")[len(args):]))
         for scale, x in ((layer.k_scale, k), (layer.v_scale, v)):
             amax = x.detach().abs().amax().float()
             # An all-zero K (or V) gives no range to fit: keep 1.0 rather than divide by 0.
