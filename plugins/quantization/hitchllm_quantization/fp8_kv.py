@@ -27,7 +27,8 @@ from torch import nn
 
 from hitchllm.attention import FP8_DTYPES, Attention
 
-logger = logging.getLogger(__name__)
+# A child of the core's "hitchllm" logger, so these lines show where the engine's own do.
+logger = logging.getLogger("hitchllm.quantization")
 
 #: The compressed-tensors ``kv_cache_scheme`` values this plugin serves.
 SUPPORTED_KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor"}
