@@ -24,9 +24,16 @@ from safetensors.torch import load_file, save_file
 from test_kv_cache_spec import FP8, fp8_rounded
 from test_torch_attention import CASES
 
-from hitchllm import LLM, SamplingParams
-from hitchllm.attention import Attention, AttentionSpec, KVCacheSpec, TorchAttentionBackend
+from hitchllm import LLM, SamplingParams, hookimpl
+from hitchllm.attention import (
+    Attention,
+    AttentionSpec,
+    KVCacheSpec,
+    TorchAttentionBackend,
+    kernel_reasons,
+)
 from hitchllm.config import EngineConfig, EngineConfigError
+from hitchllm.engine import llm_engine
 from hitchllm.entrypoints.backends_table import print_backends
 from hitchllm.entrypoints.cli import build_parser, engine_kwargs
 from hitchllm.plugins import get_plugin_registry
@@ -103,8 +110,14 @@ def first_step_kv_amax(path: str, prompt: list[int] = PROMPT) -> list[tuple[floa
 def test_fp8_kv_cache_without_the_plugin_names_the_package(llama_path, monkeypatch):
     monkeypatch.setenv("HITCHLLM_PLUGINS", "no-such-plugin")  # the core's built-ins only
     assert not get_plugin_registry().pm.hook.hitchllm_kv_cache_scales.get_hookimpls()
-    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8_e5m2' needs the "
-                       r"hitchllm-quantization plugin.*pip install hitchllm-quantization"):
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the refusal must come before the model loads")
+
+    with monkeypatch.context() as patch, pytest.raises(
+            ValueError, match=r"kv_cache_dtype='fp8_e5m2' needs the hitchllm-quantization "
+            r"plugin.*pip install hitchllm-quantization"):
+        patch.setattr(llm_engine, "load_model", no_load)
         engine(llama_path, kv_cache_dtype="fp8_e5m2")
     assert engine(llama_path).engine.kv_cache_dtype == torch.float32  # auto needs no plugin
 
@@ -364,6 +377,30 @@ def test_cpu_attn_engine_with_fp8_follows_torch_fp8(shrunk):
     assert runs["CPU_ATTN"][2] == pytest.approx(runs["TORCH"][2], rel=1e-5)
     torch.testing.assert_close(torch.tensor(runs["CPU_ATTN"][1]), torch.tensor(runs["TORCH"][1]),
                                atol=1e-4, rtol=1e-4)
+
+
+class AutoOnlyBackend(TorchAttentionBackend):
+    """Ranked above every backend, but reads K/V in the model dtype only."""
+
+    name = "MODEL_DTYPE_ONLY"
+    priority = 1000
+
+    @classmethod
+    def validate(cls, spec):
+        return kernel_reasons(spec, dtypes=(torch.float32,))
+
+
+class AutoOnlyPlugin:
+    @hookimpl
+    def hitchllm_attention_backends(self):
+        return [AutoOnlyBackend]
+
+
+def test_auto_mode_passes_over_a_backend_that_refuses_fp8(llama_path, auto_backend):
+    get_plugin_registry().pm.register(AutoOnlyPlugin(), name="model-dtype-only")
+    assert engine(llama_path).engine.attention_backend is AutoOnlyBackend
+    fp8 = engine(llama_path, kv_cache_dtype="fp8").engine.attention_backend
+    assert fp8 is not AutoOnlyBackend and fp8.name in ("CPU_ATTN", "TORCH")
 
 
 def test_auto_mode_serves_fp8_on_cpu_with_cpu_attn(llama_path, auto_backend):
