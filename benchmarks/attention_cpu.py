@@ -40,10 +40,15 @@ class Case:
     num_kv_heads: int
     head_size: int
     dtype: torch.dtype = torch.float32
+    kv_cache_dtype: torch.dtype | None = None  # None: the model's dtype
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.kv_cache_dtype or self.dtype
 
     def kv_bytes(self) -> int:
         tokens = sum(c + q for c, q in zip(self.context_lens, self.query_lens))
-        return tokens * self.num_kv_heads * self.head_size * 2 * self.dtype.itemsize
+        return tokens * self.num_kv_heads * self.head_size * 2 * self.cache_dtype.itemsize
 
 
 CASES = [
@@ -52,6 +57,8 @@ CASES = [
     Case("decode 8 x 4096, 32/8 heads, d128", [4095] * 8, [1] * 8, 32, 8, 128),
     Case("decode 32 x 1024, 32/8, d128, bf16", [1023] * 32, [1] * 32, 32, 8, 128,
          torch.bfloat16),
+    Case("decode 32 x 1024, 32/8, d128, fp8 KV", [1023] * 32, [1] * 32, 32, 8, 128,
+         kv_cache_dtype=torch.float8_e4m3fn),
     Case("mixed: 2 prompts of 256 + 30 decodes x 1024, 32/8, d128", [0] * 2 + [1023] * 30,
          [256] * 2 + [1] * 30, 32, 8, 128),
 ]
@@ -88,12 +95,12 @@ class Step:
             max_seq_len=int(seq.max()), block_table_cpu=self.block_table,
         )
         self.spec = AttentionSpec(device_type="cpu", dtype=case.dtype,
-                                  kv_cache_dtype=case.dtype, head_size=case.head_size,
+                                  kv_cache_dtype=case.cache_dtype, head_size=case.head_size,
                                   num_heads=case.num_heads, num_kv_heads=case.num_kv_heads,
                                   block_size=BLOCK)
         shape = TorchAttentionBackend.get_kv_cache_shape(total, BLOCK, case.num_kv_heads,
                                                          case.head_size)
-        self.cache = torch.randn(shape, generator=g).to(case.dtype)
+        self.cache = torch.randn(shape, generator=g).to(case.cache_dtype)
         self.q = torch.randn(num_tokens, case.num_heads, case.head_size, generator=g)
         self.kv = torch.randn(num_tokens, case.num_kv_heads, case.head_size, generator=g)
         self.q, self.kv = self.q.to(case.dtype), self.kv.to(case.dtype)

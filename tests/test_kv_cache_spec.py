@@ -13,7 +13,7 @@ import torch
 from attention_reference import make_batch, reference_attention
 from test_torch_attention import CASES
 
-from hitchllm import LLM, SamplingParams, default_model_path
+from hitchllm import LLM, SamplingParams, default_model_path, hookimpl
 from hitchllm.attention import (
     Attention,
     AttentionSpec,
@@ -27,7 +27,6 @@ from hitchllm.attention import (
 )
 from hitchllm.attention.selector import (
     AttentionBackendError,
-    discover_backends,
     select_attention_backend,
 )
 from hitchllm.config import EngineConfig
@@ -221,11 +220,9 @@ def test_kernel_backends_refuse_fp8_with_a_reason(monkeypatch):
     gpu = fp8_spec("cuda", torch.bfloat16, (9, 0))
     assert any(r.startswith(reason) and "kv_cache_dtype=auto" in r
                for r in kernel_reasons(gpu))
-    cpu_attn = pytest.importorskip("hitchllm_attention_cpu")
-    assert any(r.startswith(reason) for r in cpu_attn.CpuAttentionBackend.validate(fp8_spec()))
     flash = pytest.importorskip("hitchllm_attention_flash.backend")
-    # As if its library were installed: fp8 is then the reason left. (TRITON_ATTN and
-    # FLASHINFER read fp8: tests/test_quant_fp8_kv_kernels.py.)
+    # As if its library were installed: fp8 is then the reason left. (TRITON_ATTN, FLASHINFER
+    # and CPU_ATTN read fp8: tests/test_quant_fp8_kv_kernels.py, tests/test_quant_fp8_kv.py.)
     monkeypatch.setattr(flash, "fa4_installed", lambda: True)
     reasons = flash.FlashAttentionBackend.validate(gpu)
     assert len(reasons) == 1 and reasons[0].startswith(reason), reasons
@@ -242,18 +239,32 @@ def test_torch_accepts_fp8_and_refuses_other_mixed_dtypes():
 
 
 def test_auto_mode_with_fp8_picks_a_backend_that_reads_fp8(auto_backend):
-    # TRITON_ATTN reads fp8 (on this CPU in Triton's interpreter, which the tests turn on).
-    installed = {backend.name for backend, _ in discover_backends()}
     backend = select_attention_backend(fp8_spec(), None, get_plugin_registry())
-    assert backend.name == ("TRITON_ATTN" if "TRITON_ATTN" in installed else "TORCH")
     assert backend.validate(fp8_spec()) == []
 
 
-def test_forcing_a_backend_that_cannot_read_fp8_quotes_its_reason(llama_path):
-    pytest.importorskip("hitchllm_attention_cpu")
-    with pytest.raises(AttentionBackendError, match=r"CPU_ATTN .* was forced but cannot serve"
+class HalfOnlyBackend(TorchAttentionBackend):
+    """A kernel backend that reads K/V in the model dtype only (refuses fp8)."""
+
+    name = "HALF_ONLY"
+
+    @classmethod
+    def validate(cls, spec):
+        return kernel_reasons(spec, dtypes=(torch.float32,))
+
+
+class HalfOnlyPlugin:
+    @hookimpl
+    def hitchllm_attention_backends(self):
+        return [HalfOnlyBackend]
+
+
+def test_forcing_a_backend_that_cannot_read_fp8_quotes_its_reason():
+    registry = get_plugin_registry()
+    registry.pm.register(HalfOnlyPlugin(), name="half-only")
+    with pytest.raises(AttentionBackendError, match=r"HALF_ONLY .* was forced but cannot serve"
                        r".*an fp8 KV cache \(torch.float8_e4m3fn\) is not supported"):
-        LLM(llama_path, kv_cache_dtype="fp8", attention_backend="CPU_ATTN")
+        select_attention_backend(fp8_spec(), "HALF_ONLY", registry)
 
 
 # ---- the engine argument -----------------------------------------------------------------------

@@ -113,8 +113,12 @@ class EngineConfig(BaseModel):
     tokenizer: str | None = None
     dtype: str = "auto"
     # auto: the model's dtype; fp8 / fp8_e4m3 / fp8_e5m2: fp8 with per-layer scales (half
-    # the bytes of bfloat16), served by backends that accept it (TORCH).
+    # the bytes of bfloat16), served by backends that accept it; needs the
+    # hitchllm-quantization plugin, which settles the scales.
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    # fp8 KV cache: compute each layer's k_scale / v_scale from the first step that serves
+    # prompts (its K/V maximum over the fp8 format's), instead of the checkpoint's or 1.0.
+    calculate_kv_scales: bool = False
     # Default from HITCHLLM_DEVICE when set (handy to pin a test run), else "auto".
     device: str = Field(default_factory=lambda: os.environ.get("HITCHLLM_DEVICE", "auto"))
     attention_backend: str | None = None
@@ -182,6 +186,16 @@ class EngineConfig(BaseModel):
             raise ValueError(
                 "speculative_method is set but num_speculative_tokens is 0; set it to the "
                 "number of draft tokens per step (e.g. 3)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_kv_scales(self) -> EngineConfig:
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise ValueError(
+                "calculate_kv_scales computes the scales of an fp8 KV cache, but "
+                "kv_cache_dtype is auto; set kv_cache_dtype to fp8 (or fp8_e5m2), or drop "
+                "calculate_kv_scales"
             )
         return self
 

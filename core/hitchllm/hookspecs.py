@@ -12,7 +12,8 @@ through these same hooks, so built-ins and third-party plugins are treated alike
 Hooks are grouped by the engine's lifecycle:
 
 1. Discovery (when an engine is built or backends are listed): what a plugin provides.
-2. Model load (once per engine): after the weights are in place, and the logits processors.
+2. Model load (once per engine): after the weights are in place, the fp8 KV-cache scales, and
+   the logits processors.
 3. Per request: identity that must enter prefix-cache keys.
 """
 
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     import torch
 
     from hitchllm.attention.backend import AttentionBackend
-    from hitchllm.config import EngineConfig
+    from hitchllm.config import EngineConfig, ModelConfig
     from hitchllm.engine.input_batch import RequestState
     from hitchllm.logits_processor import LogitsProcessor
     from hitchllm.request import Request
@@ -129,6 +130,32 @@ def hitchllm_model_loaded(model: torch.nn.Module, engine_config: EngineConfig) -
 
 
 @hookspec
+def hitchllm_kv_cache_scales(
+    model: torch.nn.Module, model_config: ModelConfig, engine_config: EngineConfig,
+    kv_cache_dtype: torch.dtype,
+) -> None:
+    """Settle the fp8 KV-cache scales: called once per engine after ``hitchllm_model_loaded``,
+    before the KV cache is allocated and before any forward pass, with the dtype the cache
+    will store (the model's, or ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``).
+
+    Every ``hitchllm.attention.Attention`` layer of ``model`` holds float32 scalar parameters
+    ``k_scale`` and ``v_scale`` (stored value = K / k_scale). The core has loaded them from the
+    checkpoint where it has them (``*.self_attn.k_scale`` / ``v_scale``, or
+    ``*.self_attn.k_proj.output_scale`` / ``v_proj.output_scale``; ``layer.k_scale
+    .from_checkpoint`` tells which) and left 1.0 elsewhere. With an fp8 ``kv_cache_dtype`` an
+    implementation decides every layer's final scales (keep the checkpoint's, check them
+    against ``model_config.hf_config``'s ``quantization_config``, or compute them from served
+    prompts when ``engine_config.calculate_kv_scales`` is set) and writes them in place
+    (``layer.k_scale.copy_(s)``, never rebinding). With any other dtype the scales are unused;
+    an implementation may only report. The return value is ignored.
+
+    The core refuses an fp8 ``kv_cache_dtype`` when no installed plugin implements this hook
+    (the ``hitchllm-quantization`` plugin does), so calibrated scales are never silently
+    ignored.
+    """
+
+
+@hookspec
 def hitchllm_logits_processors(
     engine_config: EngineConfig, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]
 ) -> list[LogitsProcessor]:
@@ -169,9 +196,13 @@ def hitchllm_request_added(request: Request, engine_config: EngineConfig) -> Non
 
 @hookspec
 def hitchllm_before_forward(
-    requests: list[RequestState], num_scheduled_tokens: list[int]
+    requests: list[RequestState], num_scheduled_tokens: list[int], model: torch.nn.Module
 ) -> None:
     """Called by the model runner once per step, right before the model's forward pass.
+
+    Only steps that serve requests call it: the forwards the engine runs while it starts up
+    (measuring memory, capturing CUDA graphs) do not. ``model`` is the model about to run
+    (the one ``hitchllm_model_loaded`` received), for plugins that act on its layers.
 
     ``requests`` are the step's batch rows in order, as the runner knows them
     (``hitchllm.engine.input_batch.RequestState``: ``request_id``, ``sampling_params``,

@@ -16,7 +16,7 @@ from hitchllm.attention.kv_cache_spec import (
     bytes_per_shared_block,
 )
 from hitchllm.attention.kv_quant import dequantize_kv, quantize_kv
-from hitchllm.attention.layer import Attention
+from hitchllm.attention.layer import KV_SCALE_CHECKPOINT_NAMES, Attention, kv_scale_target
 from hitchllm.attention.paged_write import (
     kernel_reasons,
     nhd_cache_shape,
@@ -27,6 +27,7 @@ from hitchllm.attention.torch_backend import TorchAttentionBackend
 
 __all__ = [
     "FP8_DTYPES",
+    "KV_SCALE_CHECKPOINT_NAMES",
     "Attention",
     "AttentionBackend",
     "AttentionImpl",
@@ -41,6 +42,7 @@ __all__ = [
     "dequantize_kv",
     "get_forward_context",
     "kernel_reasons",
+    "kv_scale_target",
     "nhd_cache_shape",
     "pad_rows",
     "quantize_kv",

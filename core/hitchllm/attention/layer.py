@@ -8,6 +8,48 @@ from torch import nn
 from hitchllm.attention.backend import AttentionImpl
 from hitchllm.attention.forward_context import get_forward_context
 from hitchllm.attention.kv_cache_spec import KVCacheSpec
+from hitchllm.layers.method import ShardId, set_weight_attrs
+
+#: Checkpoint names of a layer's fp8 KV-cache scales, relative to the checkpoint's attention
+#: module (``model.layers.0.self_attn``) -> the ``Attention`` parameter they load into:
+#: llm-compressor / compressed-tensors ``kv_cache_scheme`` and fp8 checkpoints store
+#: ``k_scale`` / ``v_scale``; older fp8 checkpoints the outputs' scales of k_proj / v_proj.
+KV_SCALE_CHECKPOINT_NAMES = {
+    "k_scale": "k_scale",
+    "v_scale": "v_scale",
+    "k_proj.output_scale": "k_scale",
+    "v_proj.output_scale": "v_scale",
+}
+
+
+def kv_scale_target(name: str, attention_module: str, attention_layer: str) -> str | None:
+    """The parameter name a checkpoint KV-cache scale ``name`` loads into, or None when
+    ``name`` is not one. ``attention_module`` is the checkpoint's name of a layer's
+    attention module (``"self_attn"``), ``attention_layer`` the model's attribute holding its
+    ``Attention`` (``"attn"``): ``model.layers.0.self_attn.k_proj.output_scale`` ->
+    ``model.layers.0.self_attn.attn.k_scale``."""
+    for suffix, param in KV_SCALE_CHECKPOINT_NAMES.items():
+        tail = f".{attention_module}.{suffix}"
+        if name.endswith(tail):
+            return f"{name[: -len(tail)]}.{attention_module}.{attention_layer}.{param}"
+    return None
+
+
+def load_kv_scale(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+    """Copy a checkpoint's per-tensor KV-cache scale (one positive finite value, shaped
+    ``[]`` or ``[1]``) into ``param`` and mark it as loaded."""
+    if shard_id is not None:
+        raise ValueError(f"a KV-cache scale has no stacked slots, got shard {shard_id!r}")
+    if loaded.numel() != 1:
+        raise ValueError(
+            f"shape {tuple(loaded.shape)} is not a per-tensor KV-cache scale (one value, shape "
+            "[] or [1]); per-head or per-channel KV-cache scales are not supported")
+    value = loaded.reshape(()).float()
+    if not bool(torch.isfinite(value)) or float(value) <= 0:
+        raise ValueError(f"KV-cache scale {float(value)} is not a positive finite number")
+    with torch.no_grad():
+        param.copy_(value)
+    param.from_checkpoint = True
 
 
 class Attention(nn.Module):
@@ -19,9 +61,12 @@ class Attention(nn.Module):
     and this layer's cache tensor with ``bind`` after choosing a backend.
 
     What the layer keeps per token is declared by ``get_kv_cache_spec``. ``k_scale`` and
-    ``v_scale`` (float32 scalars, 1.0 by default) are the scales of an fp8 cache: stored
-    value = K / k_scale. Nothing loads them from a checkpoint yet; a quantization method may
-    set them in place (``layer.k_scale.fill_(s)``) before the first step.
+    ``v_scale`` (float32 scalar parameters, 1.0 by default) are the scales of an fp8 cache:
+    stored value = K / k_scale. They load from a checkpoint when it has them (see
+    ``KV_SCALE_CHECKPOINT_NAMES``; a checkpoint without them is fine: they are
+    ``optional_in_checkpoint``), and the plugin implementing ``hitchllm_kv_cache_scales``
+    settles them before the first step. Update them in place (``layer.k_scale.fill_(s)``),
+    never by rebinding, so bound impls and captured CUDA graphs see the new value.
     """
 
     k_scale: torch.Tensor
@@ -40,12 +85,18 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.impl: AttentionImpl | None = None
         self.kv_cache: torch.Tensor | None = None
-        # Buffers, so they follow the model to its device; not parameters, so checkpoints
-        # need not carry them.
-        self.register_buffer("k_scale", torch.tensor(1.0, dtype=torch.float32),
-                             persistent=False)
-        self.register_buffer("v_scale", torch.tensor(1.0, dtype=torch.float32),
-                             persistent=False)
+        # Parameters, so that checkpoint tensors route to them through their weight loader
+        # like any weight (and their loading attributes survive moves between devices).
+        for name in ("k_scale", "v_scale"):
+            scale = nn.Parameter(torch.tensor(1.0, dtype=torch.float32), requires_grad=False)
+            set_weight_attrs(scale, weight_loader=load_kv_scale, optional_in_checkpoint=True,
+                             from_checkpoint=False)
+            self.register_parameter(name, scale)
+
+    @property
+    def kv_scales_from_checkpoint(self) -> bool:
+        """Whether the checkpoint gave this layer a ``k_scale`` or ``v_scale``."""
+        return bool(self.k_scale.from_checkpoint or self.v_scale.from_checkpoint)
 
     def get_kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         """What this layer stores per token in a cache of ``dtype`` with ``block_size``-token

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from hitchllm.attention import AttentionSpec, bytes_per_shared_block
+from hitchllm.attention import FP8_DTYPES, Attention, AttentionSpec, bytes_per_shared_block
 from hitchllm.attention.selector import select_attention_backend
 from hitchllm.config import EngineConfig, ModelConfig, parse_size
 from hitchllm.engine.cuda_graphs import default_capture_sizes
@@ -103,6 +103,7 @@ class LLMEngine:
             ([] if eos is None else [eos]) + list(mc.eos_token_ids)))
 
         self.kv_cache_dtype = config.resolve_kv_cache_dtype(self.dtype)
+        self._check_fp8_kv_cache_support()
         spec = AttentionSpec.for_device(
             self.device,
             dtype=self.dtype,
@@ -125,6 +126,10 @@ class LLMEngine:
         fused.set_fusion(config.enable_fusion)
         model = load_model(mc, self.registry, self.device, self.dtype, config.quantization)
         self.registry.hook.hitchllm_model_loaded(model=model, engine_config=config)
+        self.registry.hook.hitchllm_kv_cache_scales(
+            model=model, model_config=mc, engine_config=config,
+            kv_cache_dtype=self.kv_cache_dtype)
+        self._report_unused_kv_scales(model)
         max_num_tokens = config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         self.logits_processors: list[LogitsProcessor] = [
             processor
@@ -195,6 +200,31 @@ class LLMEngine:
                 f"lower max_model_len to at most {limit}"
             )
         return asked
+
+    def _check_fp8_kv_cache_support(self) -> None:
+        """An fp8 cache needs a plugin that settles its scales (``hitchllm_kv_cache_scales``);
+        checked before the model loads, so a missing plugin costs no load time."""
+        if self.kv_cache_dtype not in FP8_DTYPES:
+            return
+        if not self.registry.pm.hook.hitchllm_kv_cache_scales.get_hookimpls():
+            raise ValueError(
+                f"kv_cache_dtype={self.config.kv_cache_dtype!r} needs the hitchllm-quantization "
+                "plugin, which provides the fp8 KV-cache scales (pip install "
+                "hitchllm-quantization); or use kv_cache_dtype=auto"
+            )
+
+    def _report_unused_kv_scales(self, model: torch.nn.Module) -> None:
+        """Checkpoint KV-cache scales are loaded whatever the cache dtype; say so when they go
+        unused rather than ignoring them silently."""
+        if self.kv_cache_dtype in FP8_DTYPES:
+            return
+        layers = [m for m in model.modules()
+                  if isinstance(m, Attention) and m.kv_scales_from_checkpoint]
+        if layers:
+            logger.info(
+                "the checkpoint has fp8 KV-cache scales (k_scale/v_scale) for %d attention "
+                "layers; they are unused with kv_cache_dtype=%s (use --kv-cache-dtype fp8 to "
+                "serve an fp8 KV cache with them)", len(layers), self.config.kv_cache_dtype)
 
     def _num_kv_blocks(self, memory_at_start: MemorySnapshot | None) -> int:
         cfg = self.config

@@ -244,7 +244,8 @@ class ModelRunner:
             rows, num_sched, num_computed, graph_size, known, sample_rows, sampling)
         attn_metadata = self.builder.build(common)
         if self.before_forward is not None:
-            self.before_forward(requests=states, num_scheduled_tokens=plan.num_scheduled_tokens)
+            self.before_forward(requests=states, num_scheduled_tokens=plan.num_scheduled_tokens,
+                                model=self.model)
         if graph_size is not None and self.graphs is not None and self.graphs.captured:
             hidden = self._forward_graph(graph_size)
         else:

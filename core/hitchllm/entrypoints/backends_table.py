@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from hitchllm.attention import AttentionSpec
+from hitchllm.attention import FP8_DTYPES, AttentionSpec
 from hitchllm.attention.selector import (
     AttentionBackendError,
     rank_backends,
     select_attention_backend,
 )
 from hitchllm.config import ModelConfig, parse_dtype, parse_kv_cache_dtype
-from hitchllm.plugins import get_plugin_registry
+from hitchllm.plugins import PluginRegistry, get_plugin_registry
 
 # The shape shown when no model is given: 32 query heads, 8 KV heads, head size 128.
 _DEFAULT_SHAPE = {"head_size": 128, "num_heads": 32, "num_kv_heads": 8}
@@ -41,6 +41,17 @@ def _spec(
     )
 
 
+def _fp8_scales_line(registry: PluginRegistry) -> str:
+    """Which plugin settles an fp8 cache's scales, or that engines will refuse fp8."""
+    impls = registry.pm.hook.hitchllm_kv_cache_scales.get_hookimpls()
+    found = sorted({f"{registry.info_for(i.plugin).distribution} "
+                    f"{registry.info_for(i.plugin).version}" for i in impls})
+    if found:
+        return f"fp8 KV-cache scales from: {', '.join(found)}"
+    return ("fp8 KV cache: no plugin provides its scales, so engines refuse it; install "
+            "hitchllm-quantization (pip install hitchllm-quantization)")
+
+
 def print_backends(
     model: str | None, device: str, dtype: str, block_size: int, kv_cache_dtype: str = "auto"
 ) -> int:
@@ -56,6 +67,8 @@ def print_backends(
              if spec.kv_cache_dtype != spec.dtype else "")
           + f", head size {spec.head_size}, "
           f"heads {spec.num_heads}/{spec.num_kv_heads}, block size {spec.block_size}")
+    if spec.kv_cache_dtype in FP8_DTYPES:
+        print(_fp8_scales_line(registry))
     rows = [("NAME", "PRIORITY", "FROM", "VALID")]
     for c in candidates:
         rows.append((c.name, str(c.backend.priority),

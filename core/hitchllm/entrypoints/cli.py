@@ -25,9 +25,13 @@ def add_engine_args(
     g.add_argument("--tokenizer", help="tokenizer directory (default: the model's)")
     g.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
     g.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
-                   help="auto (the model's dtype, default) or fp8 (fp8_e4m3; also fp8_e5m2)")
+                   help="auto (the model's dtype, default) or fp8 (fp8_e4m3; also fp8_e5m2); "
+                        "fp8 needs the hitchllm-quantization plugin")
+    g.add_argument("--calculate-kv-scales", action="store_true", default=None,
+                   help="fp8 KV cache: compute each layer's k_scale/v_scale from the first "
+                        "prompts served (default: the checkpoint's scales, else 1.0)")
     g.add_argument("--quantization", help="a weight quantization method from a plugin, e.g. "
-                   "fp8 (default: the checkpoint's quant_method, if any)")
+                   "fp8 or awq (default: the checkpoint's quant_method, if any)")
     g.add_argument("--device", help="auto (default), cpu or cuda[:N]")
     g.add_argument("--attention-backend", help="force a backend by name (see `hitchllm backends`)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
@@ -58,12 +62,11 @@ def add_engine_args(
             g.add_argument(flag, type=kind, help=argparse.SUPPRESS)
 
 
-ENGINE_FLAGS = ["tokenizer", "dtype", "kv_cache_dtype", "quantization", "device",
-                "attention_backend", "block_size", "num_kv_blocks", "kv_cache_memory",
-                "gpu_memory_utilization",
-                "max_model_len", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
-                "scheduling_policy", "seed", "enforce_eager", "enable_fusion",
-                "async_scheduling", *VLLM_ARGS_NOT_SUPPORTED]
+ENGINE_FLAGS = ["tokenizer", "dtype", "kv_cache_dtype", "calculate_kv_scales", "quantization",
+                "device", "attention_backend", "block_size", "num_kv_blocks", "kv_cache_memory",
+                "gpu_memory_utilization", "max_model_len", "max_num_seqs",
+                "max_num_batched_tokens", "enable_prefix_caching", "scheduling_policy", "seed",
+                "enforce_eager", "enable_fusion", "async_scheduling", *VLLM_ARGS_NOT_SUPPORTED]
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

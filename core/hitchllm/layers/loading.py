@@ -5,7 +5,9 @@ A model's ``load_weights`` names its stacked projections (checkpoint ``q_proj`` 
 the rest: every tensor goes to its parameter's ``weight_loader`` (which slices the rank's shard
 and places the slot), and a checkpoint that does not fit fails with every missing and
 unexpected tensor listed. Extra tensors a quantization method asks for (``weight_scale``,
-...) are parameters of the layer, so they route the same way.
+...) are parameters of the layer, so they route the same way. A parameter marked
+``optional_in_checkpoint`` (an attention layer's fp8 KV-cache scales) loads when the
+checkpoint has it and is not missing when it does not.
 """
 
 from __future__ import annotations
@@ -26,13 +28,17 @@ def load_named_weights(
     stacked: Stacking,
     skip: Callable[[str], bool],
     description: str,
+    rename: Callable[[str], str | None] | None = None,
 ) -> None:
     """Load ``weights`` into ``model``'s parameters; raise ``ValueError`` listing what is
     missing and unexpected (``description`` names the model in that message).
 
     ``stacked`` maps a checkpoint module name to ``(stacked module name, slot)``, e.g.
     ``{"q_proj": ("qkv_proj", "q")}``; ``skip(name)`` is true for checkpoint tensors the model
-    does not need (a tied ``lm_head.weight``, rotary caches).
+    does not need (a tied ``lm_head.weight``, rotary caches). ``rename(name)`` gives the
+    parameter name of a checkpoint tensor whose name the model spells differently (a
+    KV-cache scale, see ``hitchllm.attention.kv_scale_target``), or None; it applies before
+    ``stacked``, and errors still quote the checkpoint's name.
     """
     params = dict(model.named_parameters())
     loaded: set[tuple[str, ShardId]] = set()
@@ -40,9 +46,10 @@ def load_named_weights(
     for name, tensor in weights:
         if skip(name):
             continue
-        target, shard = name, None
+        renamed = rename(name) if rename is not None else None
+        target, shard = renamed or name, None
         for part, (stacked_name, slot) in stacked.items():
-            if f".{part}." in name:
+            if renamed is None and f".{part}." in name:
                 target, shard = name.replace(f".{part}.", f".{stacked_name}."), slot
                 break
         param = params.get(target)
@@ -60,7 +67,7 @@ def load_named_weights(
         name if slot is None else f"{name}[{slot}]"
         for name, param in params.items()
         for slot in getattr(param, "shard_ids", (None,))
-        if (name, slot) not in loaded
+        if (name, slot) not in loaded and not getattr(param, "optional_in_checkpoint", False)
     ]
     problems = []
     for what, names in (("is missing", missing), ("has unexpected", unexpected)):

@@ -20,7 +20,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from hitchllm.attention import Attention
+from hitchllm.attention import Attention, kv_scale_target
 from hitchllm.config import ModelConfig
 from hitchllm.layers import (
     MergedColumnParallelLinear,
@@ -203,10 +203,13 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Route checkpoint tensors to parameters; error on anything missing or unexpected."""
+        """Route checkpoint tensors to parameters; error on anything missing or unexpected.
+        fp8 KV-cache scales (``self_attn.k_scale``, ``self_attn.k_proj.output_scale``, ...)
+        load into the layer's ``Attention`` when present."""
         tied = self.config.tie_word_embeddings
         load_named_weights(
             self, weights, self.STACKED,
             skip=lambda name: "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"),
             description=f"{type(self).__name__} ({self.config.architecture})",
+            rename=lambda name: kv_scale_target(name, "self_attn", "attn"),
         )

@@ -5,16 +5,24 @@ the paged cache (a gather per layer) before its matmuls read it again. Here requ
 new tokens (decodes, short chunks) go to the C kernel in paged_attention.c, which reads keys and
 values where they lie, once. Requests with many new tokens (prompts) keep TORCH's path: gather
 their context once and run SDPA, whose blocked matmuls beat any per-token loop there.
+
+An fp8 KV cache (``kv_cache_dtype`` fp8_e4m3 / fp8_e5m2) is written as TORCH writes it (K /
+k_scale, clamped); the kernel decodes each byte through a 256-entry float32 table holding the
+format's value times the layer's scale (built per step from the scale tensor, so a scale set in
+place is seen), and prompts dequantize as they are gathered, as in TORCH.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from hitchllm.attention import (
+    FP8_DTYPES,
     AttentionBackend,
     AttentionImpl,
     AttentionMetadataBuilder,
@@ -29,6 +37,20 @@ from hitchllm_attention_cpu.compiler import KernelBuildError, load_kernel
 #: Requests with more new tokens than this attend through SDPA (blocked matmuls win there).
 KERNEL_MAX_QUERY_LEN = 16
 _DTYPES = (torch.float32, torch.bfloat16)
+# The kernel's kv_format argument (see paged_attention.c).
+_KV_FORMAT = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 2}
+
+
+@functools.cache
+def _fp8_values(fp8: torch.dtype) -> torch.Tensor:
+    """Every byte of the ``fp8`` format as float32 (index = the byte)."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8).float()
+
+
+def fp8_decode_table(fp8: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """Every byte of the ``fp8`` format as float32, times ``scale``: what the kernel reads
+    for a stored byte, and exactly TORCH's ``dequantize_kv`` in float32."""
+    return _fp8_values(fp8) if scale is None else _fp8_values(fp8) * scale.float()
 
 
 @dataclass
@@ -110,10 +132,14 @@ class CpuAttentionImpl(TorchAttentionImpl):
         self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
         k: KernelRequests, out: torch.Tensor,
     ) -> None:
-        if not key_cache.is_contiguous() or key_cache.dtype not in _DTYPES:
-            raise ValueError(f"CPU_ATTN reads a contiguous float32 or bfloat16 cache shaped as "
-                             f"get_kv_cache_shape says, not {key_cache.dtype} with strides "
+        if not key_cache.is_contiguous() or key_cache.dtype not in _KV_FORMAT:
+            raise ValueError(f"CPU_ATTN reads a contiguous float32, bfloat16 or fp8 cache shaped "
+                             f"as get_kv_cache_shape says, not {key_cache.dtype} with strides "
                              f"{key_cache.stride()}")
+        k_table = v_table = None
+        if key_cache.dtype in FP8_DTYPES:
+            k_table = fp8_decode_table(key_cache.dtype, self.k_scale)
+            v_table = fp8_decode_table(key_cache.dtype, self.v_scale)
         q = query.to(torch.float32).contiguous()
         softcap = self.spec.logits_soft_cap or 0.0
         window = self.spec.sliding_window or 0
@@ -123,9 +149,14 @@ class CpuAttentionImpl(TorchAttentionImpl):
             k.block_table.data_ptr(), k.block_table.stride(0), k.query_len.shape[0],
             self.num_heads, self.num_kv_heads, self.head_size, key_cache.shape[2],
             key_cache.shape[1], self.scale, softcap, window,
-            int(key_cache.dtype == torch.bfloat16), torch.get_num_threads())
+            _KV_FORMAT[key_cache.dtype], _pointer(k_table), _pointer(v_table),
+            torch.get_num_threads())
         if status != 0:
             raise MemoryError("CPU_ATTN: a kernel thread could not allocate its scratch buffer")
+
+
+def _pointer(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 class CpuAttentionBackend(AttentionBackend):
@@ -141,6 +172,9 @@ class CpuAttentionBackend(AttentionBackend):
         if spec.device_type != "cpu":
             reasons.append(f"runs on the CPU only, not {spec.device_type} (on CUDA use "
                            "TRITON_ATTN, FLASHINFER or FLASH_ATTN)")
+        # fp8 caches are decoded by the kernel: check the rest as for a cache in the model dtype.
+        if spec.kv_cache_dtype in FP8_DTYPES:
+            spec = dataclasses.replace(spec, kv_cache_dtype=spec.dtype)
         reasons += kernel_reasons(spec, dtypes=_DTYPES)
         if not reasons:  # building the kernel is the slow check: only when it would be used
             try:

@@ -44,7 +44,7 @@ _FLAGS = [
 _OPTIONAL_FLAGS = (["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], [])
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _ARGTYPES = [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_double,
-             ctypes.c_double, _I, ctypes.c_int, ctypes.c_int]
+             ctypes.c_double, _I, ctypes.c_int, _P, _P, ctypes.c_int]
 
 
 class KernelBuildError(RuntimeError):

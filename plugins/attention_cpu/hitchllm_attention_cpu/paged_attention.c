@@ -4,11 +4,13 @@
    which is what makes the pure-PyTorch path slow on a CPU: it copies every request's whole
    context once per layer per step). One work unit is one request and one KV head: its query
    heads (the GQA group) share each key and value row as it is read. Online softmax, block by
-   block, in float32 (bfloat16 caches are widened on load).
+   block, in float32 (bfloat16 caches are widened on load; fp8 caches are decoded through a
+   256-entry table per cache, which holds each byte's value times the layer's scale).
 
    Layouts (all contiguous):
      q, out          [num_tokens, num_heads, head_size] float32
-     k_cache/v_cache [num_kv_heads, cache_blocks, block_size, head_size] float32 or bfloat16
+     k_cache/v_cache [num_kv_heads, cache_blocks, block_size, head_size] float32, bfloat16
+                     or fp8 (one byte, any format: k_lut/v_lut [256] float32 decode it)
      block_table     [num_reqs, bt_stride] int32
    Request r owns tokens q_start[r] .. q_start[r] + q_len[r] - 1, which sit at positions
    context_len[r] .. context_len[r] + q_len[r] - 1 of its sequence; token j attends causally
@@ -33,8 +35,11 @@ typedef struct {
     int64_t bt_stride, num_reqs, num_heads, num_kv_heads, head_size, block_size, cache_blocks;
     float scale, softcap;
     int64_t window;
-    int kv_bf16;
+    int kv_format;
+    const float *k_lut, *v_lut;
 } attn_args;
+
+enum { KV_F32 = 0, KV_BF16 = 1, KV_FP8 = 2 };
 
 /* exp(x) for x <= 0 (a score minus the running maximum): x = n ln2 + r with |r| <= ln2/2, a
    degree-6 polynomial for exp(r) (Cephes' coefficients), and 2^n put into the exponent bits.
@@ -62,11 +67,17 @@ static inline float exp_nonpositive(float x) {
 }
 
 /* Rows t0 .. t0 + n - 1 of one block of one head, as float32: in place for a float32 cache,
-   widened into buf for a bfloat16 one. */
-static const float *rows_f32(const attn_args *a, const void *cache, int64_t head, int64_t block,
-                             int64_t t0, int64_t n, int64_t d, float *buf) {
+   widened into buf for a bfloat16 one, decoded through lut into buf for an fp8 one. */
+static const float *rows_f32(const attn_args *a, const void *cache, const float *lut,
+                             int64_t head, int64_t block, int64_t t0, int64_t n, int64_t d,
+                             float *buf) {
     const int64_t off = ((head * a->cache_blocks + block) * a->block_size + t0) * d;
-    if (!a->kv_bf16) return (const float *)cache + off;
+    if (a->kv_format == KV_F32) return (const float *)cache + off;
+    if (a->kv_format == KV_FP8) {
+        const uint8_t *src = (const uint8_t *)cache + off;
+        for (int64_t i = 0; i < n * d; i++) buf[i] = lut[src[i]];
+        return buf;
+    }
     const uint16_t *src = (const uint16_t *)cache + off;
     uint32_t *dst = (uint32_t *)buf;
     for (int64_t i = 0; i < n * d; i++) dst[i] = (uint32_t)src[i] << 16;
@@ -94,7 +105,8 @@ static inline __attribute__((always_inline)) void attend(const attn_args *a, int
             const int64_t t0 = c * bs > lo ? c * bs : lo;
             const int64_t t1 = (c + 1) * bs < hi ? (c + 1) * bs : hi;
             const int64_t n = t1 - t0;
-            const float *k = rows_f32(a, a->k_cache, kvh, bt[c], t0 - c * bs, n, d, kbuf);
+            const float *k = rows_f32(a, a->k_cache, a->k_lut, kvh, bt[c], t0 - c * bs, n, d,
+                                      kbuf);
             for (int64_t t = 0; t < n; t++) {
                 const float *kt = k + t * d;
                 for (int64_t i = 0; i < g; i++) {
@@ -118,7 +130,8 @@ static inline __attribute__((always_inline)) void attend(const attn_args *a, int
                 float *ai = acc + i * d;
                 for (int64_t e = 0; e < d; e++) ai[e] *= corr;
             }
-            const float *v = rows_f32(a, a->v_cache, kvh, bt[c], t0 - c * bs, n, d, vbuf);
+            const float *v = rows_f32(a, a->v_cache, a->v_lut, kvh, bt[c], t0 - c * bs, n, d,
+                                      vbuf);
             for (int64_t t = 0; t < n; t++) {
                 const float *vt = v + t * d;
                 for (int64_t i = 0; i < g; i++) {
@@ -154,10 +167,12 @@ int hitch_paged_attention(const float *q, const void *k_cache, const void *v_cac
                           const int32_t *block_table, int64_t bt_stride, int64_t num_reqs,
                           int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
                           int64_t block_size, int64_t cache_blocks, double scale, double softcap,
-                          int64_t window, int kv_bf16, int num_threads) {
+                          int64_t window, int kv_format, const float *k_lut,
+                          const float *v_lut, int num_threads) {
     const attn_args a = {q, k_cache, v_cache, out, q_start, q_len, context_len, block_table,
                          bt_stride, num_reqs, num_heads, num_kv_heads, head_size, block_size,
-                         cache_blocks, (float)scale, (float)softcap, window, kv_bf16};
+                         cache_blocks, (float)scale, (float)softcap, window, kv_format,
+                         k_lut, v_lut};
     void (*fn)(const attn_args *, int64_t, int64_t, float *) =
         head_size == 32 ? attend_32 : head_size == 64 ? attend_64 : head_size == 128 ? attend_128
         : head_size == 256 ? attend_256 : attend_any;
