@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from hitchllm import hookimpl
+from hitchllm_quantization.awq import AWQ
 
 
 @hookimpl
 def hitchllm_quantization_methods() -> dict[str, type]:
     """The weight quantization methods: name (as in ``quantization=`` or a checkpoint's
     ``quantization_config.quant_method``) -> class."""
-    return {}
+    return {"awq": AWQ}
