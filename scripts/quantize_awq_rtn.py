@@ -26,9 +26,8 @@ import json
 import shutil
 from pathlib import Path
 
-from safetensors.torch import load_file, save_file
-
 from hitchllm_quantization.awq_packing import quantize_rtn
+from safetensors.torch import load_file, save_file
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -195,12 +195,14 @@ def awq_layer(out_features: int, in_features: int, group_size: int, seed: int = 
     return (qweight, qzeros, scales), dequantize(qweight, qzeros, scales, group_size)
 
 
-# Tiles for each path of the kernel: split-K with atomic adds (decode), a direct store, and
-# groups smaller than the tile (each row reads its group's scales).
+# Tiles for each path of the kernel (GEMV and split-K with atomic adds, whole tiles stored
+# directly), also with groups smaller than the tile (each row reads its group's scales).
 TILES = {
-    "split_k": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 3},
-    "direct": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 1},
-    "group_in_tile": {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 1},
+    "gemv": ("gemv", {"BLOCK_N": 32, "BLOCK_K": 16, "SPLIT_K": 3}),
+    "gemv_group_in_tile": ("gemv", {"BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": 1}),
+    "split_k": ("split_k", {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 3}),
+    "tiles": ("tiles", {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 1}),
+    "tiles_group_in_tile": ("tiles", {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 1}),
 }
 
 
@@ -215,7 +217,8 @@ def test_triton_kernel_matches_the_dequantized_reference(dtype, tile, m):
 
     (qweight, qzeros, scales), weight = awq_layer(40, 192, GROUP)
     x = torch.randn(m, 192, generator=torch.Generator().manual_seed(m)).to(dtype)
-    got = awq_gemm(x, qweight, qzeros, scales, GROUP, TILES[tile])
+    path, config = TILES[tile]
+    got = awq_gemm(x, qweight, qzeros, scales, GROUP, config, path)
     want = x.double() @ weight.to(dtype).double().T
     assert got.dtype == dtype and got.shape == (m, 40)
     tol = 1e-5 if dtype == torch.float32 else 2e-3

@@ -1,16 +1,26 @@
 """A Triton dequantize-and-multiply GEMM for AWQ int4 weights: ``out = x @ W.T``.
 
-Each program owns a ``[BLOCK_M, BLOCK_N]`` tile of the output and walks its share of the input
+Each program owns a tile of the output and walks its share of the input
 dimension in steps of ``BLOCK_K``. Per step it loads the packed ``qweight`` tile (each int32
 read by the eight output columns it holds), extracts every column's nibble (AWQ's interleaved
 order, see ``awq_packing``), loads the group's zero points and scales, dequantizes in registers
-as ``q * s - z * s`` in float32 (exact, like ``(q - z) * s``), and accumulates ``x @ W`` with
-``tl.dot`` in float32. The int4 weight is read once from memory; nothing float is written.
+as ``q * s - z * s`` in float32 (exact, like ``(q - z) * s``), and accumulates ``x @ W`` in
+float32 (``tl.dot``, or elementwise products for GEMV). The int4 weight is read once from
+memory; no float weight is written.
 
-Small batches (``M <= 16``, decode) leave too few output tiles to fill the GPU, so they split
-the input dimension over ``SPLIT_K`` programs that add their partial sums into a float32
-buffer (``tl.atomic_add``); larger batches store their tile directly. Both paths autotune over
-a few tile shapes, keyed by the batch size's power-of-two bucket and the layer's shape.
+Three paths, by batch size (``default_path``), each autotuned over a few tile shapes keyed
+by the batch's power-of-two bucket and the layer's shape:
+
+- ``gemv`` (``M <= GEMV_MAX_M``, decode of one or two sequences): no tensor cores; one program
+  per output row, column tile and K split multiplies elementwise into a float32
+  ``[BLOCK_K, BLOCK_N]`` tile and reduces over K once at the end;
+- ``split_k`` (``M <= SMALL_M``): ``tl.dot`` on 16-row tiles; few output tiles would leave the
+  GPU idle, so the K range is split over ``SPLIT_K`` programs;
+- ``tiles``: ``tl.dot`` on whole tiles, stored directly.
+
+The first two add their partial sums into a zeroed float32 buffer (``tl.atomic_add``), cast
+to ``x``'s dtype at the end. Autotuning runs on the first call of each bucket and shape, which
+the engine makes eagerly before capturing CUDA graphs.
 """
 
 from __future__ import annotations
@@ -21,7 +31,36 @@ import triton.language as tl
 
 from hitchllm_quantization.awq_packing import PACK_FACTOR
 
-SMALL_M = 16  # batches up to this size take the split-K path
+GEMV_MAX_M = 2  # batches up to this size take the GEMV path (no tensor cores)
+SMALL_M = 16  # batches up to this size take the split-K tensor-core path
+
+
+@triton.jit
+def _dequantize_tile(qweight_ptr, qzeros_ptr, scales_ptr, t, rk, rn, N, K,
+                     GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows ``rk`` (those of K tile ``t``) and columns ``rn`` of ``W.T`` in float32; zero
+    outside ``[K, N]``."""
+    packed_n = N // 8
+    word = rn // 8
+    # Column 8c + j sits in nibble AWQ_REVERSE_ORDER[j] = j // 2 + (j % 2) * 4.
+    j = rn % 8
+    shifts = ((j // 2) + (j % 2) * 4) * 4
+    n_ok = rn < N
+    ok = (rk < K)[:, None] & n_ok[None, :]
+    words = tl.load(qweight_ptr + rk[:, None] * packed_n + word[None, :], mask=ok, other=0)
+    q = ((words >> shifts[None, :]) & 0xF).to(tl.float32)
+    if GROUP_SIZE % BLOCK_K == 0:  # the whole tile lies in one group: one row of each
+        g = (t * BLOCK_K) // GROUP_SIZE
+        zwords = tl.load(qzeros_ptr + g * packed_n + word, mask=n_ok, other=0)
+        s = tl.load(scales_ptr + g * N + rn, mask=n_ok, other=0.0).to(tl.float32)
+        zs = ((zwords >> shifts) & 0xF).to(tl.float32) * s
+        w = q * s[None, :] - zs[None, :]
+    else:  # groups smaller than the tile: each row of the tile reads its group's row
+        g = rk // GROUP_SIZE
+        zwords = tl.load(qzeros_ptr + g[:, None] * packed_n + word[None, :], mask=ok, other=0)
+        s = tl.load(scales_ptr + g[:, None] * N + rn[None, :], mask=ok, other=0.0)
+        w = (q - ((zwords >> shifts[None, :]) & 0xF).to(tl.float32)) * s.to(tl.float32)
+    return w
 
 
 @triton.jit
@@ -34,68 +73,78 @@ def awq_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, ATOMIC: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One ``[BLOCK_M, BLOCK_N]`` output tile over K-split ``program_id(2)``; ``ATOMIC`` adds
-    into a zeroed float32 ``out`` instead of storing."""
+    """One ``[BLOCK_M, BLOCK_N]`` output tile over K-split ``program_id(2)`` with ``tl.dot``;
+    ``ATOMIC`` adds into a zeroed float32 ``out`` instead of storing."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = rm < M
-    n_ok = rn < N
-    packed_n = N // 8
-    word = rn // 8
-    # Column 8c + j sits in nibble AWQ_REVERSE_ORDER[j] = j // 2 + (j % 2) * 4.
-    j = rn % 8
-    shifts = ((j // 2) + (j % 2) * 4) * 4
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_tiles = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(k_tiles, SPLIT_K)
     first = pid_k * per_split
-    last = tl.minimum(first + per_split, k_tiles)
-    for t in range(first, last):
+    for t in range(first, tl.minimum(first + per_split, k_tiles)):
         rk = t * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_ok = rk < K
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk,
-                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        wk_ok = k_ok[:, None] & n_ok[None, :]
-        words = tl.load(qweight_ptr + rk[:, None] * packed_n + word[None, :], mask=wk_ok,
-                        other=0)
-        q = ((words >> shifts[None, :]) & 0xF).to(tl.float32)
-        if GROUP_SIZE % BLOCK_K == 0:  # the whole tile lies in one group: one row of each
-            g = (t * BLOCK_K) // GROUP_SIZE
-            zwords = tl.load(qzeros_ptr + g * packed_n + word, mask=n_ok, other=0)
-            s = tl.load(scales_ptr + g * N + rn, mask=n_ok, other=0.0).to(tl.float32)
-            zs = ((zwords >> shifts) & 0xF).to(tl.float32) * s
-            w = q * s[None, :] - zs[None, :]
-        else:  # groups smaller than the tile: each row of the tile reads its group's row
-            g = rk // GROUP_SIZE
-            zwords = tl.load(qzeros_ptr + g[:, None] * packed_n + word[None, :], mask=wk_ok,
-                             other=0)
-            s = tl.load(scales_ptr + g[:, None] * N + rn[None, :], mask=wk_ok,
-                        other=0.0).to(tl.float32)
-            w = (q - ((zwords >> shifts[None, :]) & 0xF).to(tl.float32)) * s
+                    mask=(rm < M)[:, None] & (rk < K)[None, :], other=0.0)
+        w = _dequantize_tile(qweight_ptr, qzeros_ptr, scales_ptr, t, rk, rn, N, K,
+                             GROUP_SIZE, BLOCK_K)
         acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
     out = out_ptr + rm[:, None] * stride_om + rn[None, :] * stride_on
-    mask = m_ok[:, None] & n_ok[None, :]
+    mask = (rm < M)[:, None] & (rn < N)[None, :]
     if ATOMIC:
         tl.atomic_add(out, acc, mask=mask)
     else:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _config(m: int, n: int, k: int, split_k: int, warps: int, stages: int) -> triton.Config:
-    return triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": split_k},
-                         num_warps=warps, num_stages=stages)
+@triton.jit
+def awq_gemv_kernel(
+    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, out_ptr,
+    M, N, K,
+    stride_xm, stride_xk, stride_om, stride_on,
+    M_BUCKET,  # unused: the autotuning key, M rounded up to a power of two
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+):
+    """Row ``program_id(2)`` of the output, columns of tile ``program_id(0)``, K-split
+    ``program_id(1)``, without tensor cores: products accumulate elementwise in a float32
+    ``[BLOCK_K, BLOCK_N]`` tile, reduced over K once at the end and added into a zeroed
+    float32 ``out``."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    m = tl.program_id(2)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    first = pid_k * per_split
+    for t in range(first, tl.minimum(first + per_split, k_tiles)):
+        rk = t * BLOCK_K + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + m * stride_xm + rk * stride_xk, mask=rk < K, other=0.0)
+        w = _dequantize_tile(qweight_ptr, qzeros_ptr, scales_ptr, t, rk, rn, N, K,
+                             GROUP_SIZE, BLOCK_K)
+        acc += x.to(tl.float32)[:, None] * w
+    tl.atomic_add(out_ptr + m * stride_om + rn * stride_on, tl.sum(acc, axis=0), mask=rn < N)
 
 
-SMALL_M_CONFIGS = [
-    _config(16, n, 128, split_k, 4, stages)
+def _config(split_k: int, warps: int, stages: int, **tile: int) -> triton.Config:
+    return triton.Config({**tile, "SPLIT_K": split_k}, num_warps=warps, num_stages=stages)
+
+
+GEMV_CONFIGS = [
+    _config(split_k, warps, 3, BLOCK_N=n, BLOCK_K=k)
+    for n, k, warps in ((64, 32, 4), (128, 32, 4), (256, 16, 4), (128, 64, 8), (256, 32, 8))
+    for split_k in (1, 2, 4, 8)
+]
+SPLIT_K_CONFIGS = [
+    _config(split_k, 4, stages, BLOCK_M=16, BLOCK_N=n, BLOCK_K=128)
     for n in (32, 64, 128) for split_k in (1, 2, 4, 8) for stages in (3, 4)
     if not (n == 128 and split_k == 1)
 ]
-LARGE_M_CONFIGS = [
-    _config(m, n, k, 1, warps, stages)
+TILE_CONFIGS = [
+    _config(1, warps, stages, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k)
     for m, n, k, warps, stages in (
         (32, 64, 128, 4, 4), (64, 64, 64, 4, 4), (64, 128, 64, 4, 3), (64, 128, 128, 8, 3),
         (128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (128, 256, 64, 8, 3),
@@ -110,48 +159,60 @@ def _keep_whole_groups(configs: list[triton.Config], named_args: dict, **kwargs)
     return whole or configs
 
 
-_small_m_kernel = triton.autotune(
-    configs=SMALL_M_CONFIGS, key=["M_BUCKET", "N", "K", "GROUP_SIZE"],
-    prune_configs_by={"early_config_prune": _keep_whole_groups}, reset_to_zero=["out_ptr"],
-)(awq_gemm_kernel)
-_large_m_kernel = triton.autotune(
-    configs=LARGE_M_CONFIGS, key=["M_BUCKET", "N", "K", "GROUP_SIZE"],
-    prune_configs_by={"early_config_prune": _keep_whole_groups},
-)(awq_gemm_kernel)
+def _autotuned(kernel, configs: list[triton.Config], atomic: bool):
+    return triton.autotune(
+        configs=configs, key=["M_BUCKET", "N", "K", "GROUP_SIZE"],
+        prune_configs_by={"early_config_prune": _keep_whole_groups},
+        reset_to_zero=["out_ptr"] if atomic else None,
+    )(kernel)
+
+
+PATHS = {  # name -> (kernel, autotuned kernel, adds into a float32 buffer)
+    "gemv": (awq_gemv_kernel, _autotuned(awq_gemv_kernel, GEMV_CONFIGS, True), True),
+    "split_k": (awq_gemm_kernel, _autotuned(awq_gemm_kernel, SPLIT_K_CONFIGS, True), True),
+    "tiles": (awq_gemm_kernel, _autotuned(awq_gemm_kernel, TILE_CONFIGS, False), False),
+}
+
+
+def default_path(m: int) -> str:
+    """The kernel for a batch of ``m`` rows: GEMV up to ``GEMV_MAX_M``, split-K tensor-core
+    tiles up to ``SMALL_M``, whole tiles above."""
+    return "gemv" if m <= GEMV_MAX_M else "split_k" if m <= SMALL_M else "tiles"
 
 
 def awq_gemm(
     x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-    group_size: int, config: dict[str, int] | None = None,
+    group_size: int, config: dict[str, int] | None = None, path: str | None = None,
 ) -> torch.Tensor:
     """``x @ W.T`` (``x`` ``[M, K]``; AWQ tensors of ``W`` ``[N, K]``) in ``x``'s dtype.
 
-    ``config`` fixes the tile (``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``SPLIT_K``, optional
+    ``path`` picks the kernel (``default_path(M)`` when None); ``config`` fixes its tile
+    (``BLOCK_N``, ``BLOCK_K``, ``SPLIT_K``, ``BLOCK_M`` except for ``gemv``, optional
     ``num_warps``/``num_stages``) instead of autotuning: tests use it to run every path under
-    the Triton interpreter."""
+    the Triton interpreter, the benchmark to compare paths."""
     m, k = x.shape
     n = qweight.shape[1] * PACK_FACTOR
     if qweight.shape[0] != k:
         raise ValueError(f"x has {k} input columns but qweight has {qweight.shape[0]} rows")
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    small = m <= SMALL_M if config is None else config.get("SPLIT_K", 1) > 1
-    out = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if small
+    path = path or default_path(m)
+    kernel, tuned, atomic = PATHS[path]
+    out = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if atomic
            else torch.empty(m, n, dtype=x.dtype, device=x.device))
     args = (x, qweight, qzeros, scales, out, m, n, k, x.stride(0), x.stride(1), out.stride(0),
             out.stride(1), triton.next_power_of_2(m))
+    flags = {"GROUP_SIZE": group_size}
+    if path != "gemv":
+        flags |= {"ATOMIC": atomic,
+                  "DOT_PRECISION": "ieee" if x.dtype == torch.float32 else "tf32"}
+
+    def grid(meta: dict) -> tuple[int, int, int]:
+        if path == "gemv":
+            return triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"], m
+        return triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"]
+
     if config is None:
-        kernel = _small_m_kernel if small else _large_m_kernel
-
-        def grid(meta: dict) -> tuple[int, int, int]:
-            return (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]),
-                    meta["SPLIT_K"])
-
-        kernel[grid](*args, GROUP_SIZE=group_size, ATOMIC=small, DOT_PRECISION=precision)
+        tuned[grid](*args, **flags)
     else:
-        tile = {key: config[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K")}
-        grid3 = (triton.cdiv(m, tile["BLOCK_M"]), triton.cdiv(n, tile["BLOCK_N"]),
-                 tile["SPLIT_K"])
-        awq_gemm_kernel[grid3](*args, GROUP_SIZE=group_size, ATOMIC=small,
-                               DOT_PRECISION=precision, num_warps=config.get("num_warps", 4),
-                               num_stages=config.get("num_stages", 2), **tile)
-    return out.to(x.dtype) if small else out
+        launch = {"num_warps": 4, "num_stages": 2} | config
+        kernel[grid(launch)](*args, **flags, **launch)
+    return out.to(x.dtype) if atomic else out
