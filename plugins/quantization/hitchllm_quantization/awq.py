@@ -11,6 +11,7 @@ kernel on CUDA and dequantizes to a float weight for one ``F.linear`` elsewhere.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -95,6 +96,7 @@ class AWQLinearMethod(LinearMethod):
     def __init__(self, group_size: int, prefix: str) -> None:
         self.group_size = group_size
         self.prefix = prefix
+        self._gemm: Callable[..., torch.Tensor] | None = None  # the Triton kernel, on CUDA
 
     def create_weights(
         self,
@@ -127,14 +129,25 @@ class AWQLinearMethod(LinearMethod):
                              **attrs)
             layer.register_parameter(name, param)
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """On CUDA, import the Triton kernel now (not on the hot path), or say what to
+        install."""
+        if layer.qweight.is_cuda and self._gemm is None:
+            try:
+                from hitchllm_quantization.awq_triton import awq_gemm
+            except ImportError as err:
+                raise ImportError(
+                    f"AWQ on CUDA runs a Triton kernel, and Triton does not import ({err}): "
+                    "pip install 'hitchllm-quantization[kernels]'"
+                ) from err
+            self._gemm = awq_gemm
+
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if x.is_cuda:
-            from hitchllm_quantization.awq_triton import awq_gemm
-
+        if x.is_cuda and self._gemm is not None:
             flat = x.reshape(-1, x.shape[-1])
-            out = awq_gemm(flat, layer.qweight, layer.qzeros, layer.scales, self.group_size)
+            out = self._gemm(flat, layer.qweight, layer.qzeros, layer.scales, self.group_size)
             out = out.reshape(*x.shape[:-1], out.shape[-1])
             return out if bias is None else out + bias
         weight = dequantize(layer.qweight, layer.qzeros, layer.scales, self.group_size, x.dtype)
