@@ -1,9 +1,9 @@
 """A Triton dequantize-and-multiply GEMM for AWQ int4 weights: ``out = x @ W.T``.
 
-Each program owns a tile of the output and walks its share of the input
-dimension in steps of ``BLOCK_K``. Per step it loads the packed ``qweight`` tile (each int32
-read by the eight output columns it holds), extracts every column's nibble (AWQ's interleaved
-order, see ``awq_packing``), loads the group's zero points and scales, dequantizes in registers
+Each program owns a tile of the output and walks its share of the input dimension in steps of
+``BLOCK_K``. Per step it loads the packed ``qweight`` tile (each int32 once), unpacks the eight
+output columns of each int32 in registers (AWQ's interleaved nibble order, see
+``awq_packing``), loads the group's zero points and scales, dequantizes in registers
 as ``q * s - z * s`` in float32 (exact, like ``(q - z) * s``), and accumulates ``x @ W`` in
 float32 (``tl.dot``, or elementwise products for GEMV). The int4 weight is read once from
 memory; no float weight is written.
@@ -36,30 +36,41 @@ SMALL_M = 16  # batches up to this size take the split-K tensor-core path
 
 
 @triton.jit
-def _dequantize_tile(qweight_ptr, qzeros_ptr, scales_ptr, t, rk, rn, N, K,
-                     GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Rows ``rk`` (those of K tile ``t``) and columns ``rn`` of ``W.T`` in float32; zero
-    outside ``[K, N]``."""
-    packed_n = N // 8
-    word = rn // 8
-    # Column 8c + j sits in nibble AWQ_REVERSE_ORDER[j] = j // 2 + (j % 2) * 4.
-    j = rn % 8
+def _nibbles(words, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The 8 int4 values of each int32 of ``words`` (``[BLOCK_K, BLOCK_N // 8]``) as float32
+    ``[BLOCK_K, BLOCK_N]``, in column order: column ``8c + j`` is nibble
+    ``AWQ_REVERSE_ORDER[j] = j // 2 + (j % 2) * 4``."""
+    j = tl.arange(0, 8)
     shifts = ((j // 2) + (j % 2) * 4) * 4
-    n_ok = rn < N
-    ok = (rk < K)[:, None] & n_ok[None, :]
-    words = tl.load(qweight_ptr + rk[:, None] * packed_n + word[None, :], mask=ok, other=0)
-    q = ((words >> shifts[None, :]) & 0xF).to(tl.float32)
+    values = (words[:, :, None] >> shifts[None, None, :]) & 0xF
+    return tl.reshape(values, (BLOCK_K, BLOCK_N)).to(tl.float32)
+
+
+@triton.jit
+def _dequantize_tile(qweight_ptr, qzeros_ptr, scales_ptr, t, n0, N, K,
+                     GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Rows of K tile ``t`` and columns ``n0 .. n0 + BLOCK_N`` of ``W.T`` in float32; zero
+    outside ``[K, N]``. Each int32 is loaded once and unpacked in registers."""
+    packed_n = N // 8
+    rk = t * BLOCK_K + tl.arange(0, BLOCK_K)
+    rc = n0 // 8 + tl.arange(0, BLOCK_N // 8)  # packed columns
+    rn = n0 + tl.arange(0, BLOCK_N)
+    k_ok = rk < K
+    ok = k_ok[:, None] & (rc < packed_n)[None, :]
+    words = tl.load(qweight_ptr + rk[:, None] * packed_n + rc[None, :], mask=ok, other=0)
+    q = _nibbles(words, BLOCK_K, BLOCK_N)
     if GROUP_SIZE % BLOCK_K == 0:  # the whole tile lies in one group: one row of each
         g = (t * BLOCK_K) // GROUP_SIZE
-        zwords = tl.load(qzeros_ptr + g * packed_n + word, mask=n_ok, other=0)
-        s = tl.load(scales_ptr + g * N + rn, mask=n_ok, other=0.0).to(tl.float32)
-        zs = ((zwords >> shifts) & 0xF).to(tl.float32) * s
-        w = q * s[None, :] - zs[None, :]
+        zwords = tl.load(qzeros_ptr + g * packed_n + rc, mask=rc < packed_n, other=0)
+        z = tl.reshape(_nibbles(zwords[None, :], 1, BLOCK_N), (BLOCK_N,))
+        s = tl.load(scales_ptr + g * N + rn, mask=rn < N, other=0.0).to(tl.float32)
+        w = q * s[None, :] - (z * s)[None, :]
     else:  # groups smaller than the tile: each row of the tile reads its group's row
         g = rk // GROUP_SIZE
-        zwords = tl.load(qzeros_ptr + g[:, None] * packed_n + word[None, :], mask=ok, other=0)
-        s = tl.load(scales_ptr + g[:, None] * N + rn[None, :], mask=ok, other=0.0)
-        w = (q - ((zwords >> shifts[None, :]) & 0xF).to(tl.float32)) * s.to(tl.float32)
+        zwords = tl.load(qzeros_ptr + g[:, None] * packed_n + rc[None, :], mask=ok, other=0)
+        s = tl.load(scales_ptr + g[:, None] * N + rn[None, :],
+                    mask=k_ok[:, None] & (rn < N)[None, :], other=0.0)
+        w = (q - _nibbles(zwords, BLOCK_K, BLOCK_N)) * s.to(tl.float32)
     return w
 
 
@@ -88,8 +99,8 @@ def awq_gemm_kernel(
         rk = t * BLOCK_K + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk,
                     mask=(rm < M)[:, None] & (rk < K)[None, :], other=0.0)
-        w = _dequantize_tile(qweight_ptr, qzeros_ptr, scales_ptr, t, rk, rn, N, K,
-                             GROUP_SIZE, BLOCK_K)
+        w = _dequantize_tile(qweight_ptr, qzeros_ptr, scales_ptr, t, pid_n * BLOCK_N, N, K,
+                             GROUP_SIZE, BLOCK_K, BLOCK_N)
         acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
     out = out_ptr + rm[:, None] * stride_om + rn[None, :] * stride_on
     mask = (rm < M)[:, None] & (rn < N)[None, :]
@@ -123,8 +134,8 @@ def awq_gemv_kernel(
     for t in range(first, tl.minimum(first + per_split, k_tiles)):
         rk = t * BLOCK_K + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + m * stride_xm + rk * stride_xk, mask=rk < K, other=0.0)
-        w = _dequantize_tile(qweight_ptr, qzeros_ptr, scales_ptr, t, rk, rn, N, K,
-                             GROUP_SIZE, BLOCK_K)
+        w = _dequantize_tile(qweight_ptr, qzeros_ptr, scales_ptr, t, pid_n * BLOCK_N, N, K,
+                             GROUP_SIZE, BLOCK_K, BLOCK_N)
         acc += x.to(tl.float32)[:, None] * w
     tl.atomic_add(out_ptr + m * stride_om + rn * stride_on, tl.sum(acc, axis=0), mask=rn < N)
 
