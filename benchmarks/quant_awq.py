@@ -77,6 +77,12 @@ def measure(k: int, n: int) -> list[str]:
     return rows
 
 
+SECTION = "## AWQ int4 weights: Triton dequantize-and-multiply vs bf16 F.linear"
+ABOUT = ("Reproduce on the GPU machine: `python benchmarks/quant_awq.py --results "
+         "benchmarks/RESULTS.md` (hitchllm-quantization with Triton). Llama-8B layer shapes, "
+         "group size 128, CUDA-graph device times; speedup = bf16 time / int4 time (goal: "
+         ">= 2x at M = 1). The chosen config is the autotuner's for the default path; the "
+         "last column times the other small-batch path.")
 HEADER = ("| K x N | M | bf16 F.linear us | AWQ int4 us | speedup | int4 GB/s | chosen kernel "
           "config | other paths us |\n|---|---|---|---|---|---|---|---|")
 
@@ -95,7 +101,10 @@ def main() -> None:
         lines += measure(k, n)
         torch.cuda.empty_cache()
     if args.results:
+        known = args.results.read_text() if args.results.exists() else ""
         with args.results.open("a") as f:
+            if SECTION not in known:
+                f.write(f"\n{SECTION}\n\n{ABOUT}\n")
             f.write("\n" + "\n".join(lines) + "\n")
 
 
