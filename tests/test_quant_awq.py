@@ -6,6 +6,7 @@ checkpoints and configs are refused with the tensor or field named."""
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import os
 import shutil
@@ -260,3 +261,41 @@ def test_kernels_compile_for_an_h100_without_one(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.splitlines()
     assert len(lines) == 6 and all(line.endswith("fits") for line in lines), result.stdout
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "scripts"
+                                                  / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_rtn_script_writes_a_checkpoint_that_loads_as_awq(llama_path, tmp_path):
+    """scripts/quantize_awq_rtn.py: every projection becomes qweight/qzeros/scales whose
+    dequantization is within half a step of the original weight, config.json says awq, the
+    engine loads it; the agreement measure gives 1.0 for a model against itself."""
+    script = load_script("quantize_awq_rtn")
+    out = tmp_path / "awq"
+    assert script.quantize_checkpoint(Path(llama_path), out, GROUP) == 2 * 7
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config | {"modules_to_not_convert": None} == {
+        "quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True,
+        "version": "gemm", "modules_to_not_convert": None}
+    original = load_file(str(Path(llama_path) / "model.safetensors"))
+    state = load_file(str(out / "model.safetensors"))
+    module = "model.layers.1.mlp.down_proj"
+    assert f"{module}.weight" not in state
+    weight = dequantize(state[f"{module}.qweight"], state[f"{module}.qzeros"],
+                        state[f"{module}.scales"], GROUP)
+    step = state[f"{module}.scales"].float().repeat_interleave(GROUP, 0).T
+    assert ((weight - original[f"{module}.weight"].float()).abs() <= step / 2 + 1e-6).all()
+
+    text = Path(__file__).parent / "data" / "heldout_stdlib" / "shelve.py"
+    same = script.greedy_agreement(llama_path, llama_path, [text.read_text()], window=64,
+                                   continuations=4)
+    assert same["top1_agreement"] == 1.0 and same["identical_continuations"] == 1.0
+    quantized = script.greedy_agreement(llama_path, str(out), [text.read_text()], window=64,
+                                        continuations=4)
+    assert quantized["positions"] == same["positions"] > 100
+    assert 0 < quantized["top1_agreement"] <= 1
