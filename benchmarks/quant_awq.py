@@ -8,7 +8,7 @@ of calls replayed from CUDA graphs, as the engine's decode runs them, so that Py
 overhead counts for neither side; the kernel's autotuning runs on the first, eager call.
 ``speedup`` is bf16 time / int4 time (above 1: int4 faster); ``int4 GB/s`` counts the packed
 weight, zeros and scales read once. For M <= 16 every kernel path (gemv, split_k) is timed
-too, so the batch sizes at which ``default_path`` switches can be checked.
+too (``select_path`` picks the faster of them on first use).
 
     python benchmarks/quant_awq.py [--results benchmarks/RESULTS.md]
 """
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 from hitchllm_quantization.awq_packing import dequantize, quantize_rtn
-from hitchllm_quantization.awq_triton import PATHS, awq_gemm, default_path
+from hitchllm_quantization.awq_triton import PATHS, awq_gemm, select_path
 
 from hitchllm.entrypoints.machine import describe_machine
 
@@ -58,7 +58,8 @@ def measure(k: int, n: int) -> list[str]:
         x = torch.randn(m, k, device="cuda", dtype=DTYPE)
         want = F.linear(x.float(), reference_weight.float())
         bf16 = time_us(lambda x=x: F.linear(x, weight))
-        paths = {default_path(m)} | ({"gemv", "split_k"} if m <= 16 else set())
+        chosen = select_path(x, qweight, qzeros, scales, GROUP)
+        paths = {chosen} | ({"gemv", "split_k"} if m <= 16 else set())
         times = {}
         for path in sorted(paths):
             got = awq_gemm(x, qweight, qzeros, scales, GROUP, path=path)
@@ -68,9 +69,9 @@ def measure(k: int, n: int) -> list[str]:
             times[path] = (time_us(lambda x=x, p=path: awq_gemm(x, qweight, qzeros, scales,
                                                                GROUP, path=p)),
                            best_config(path))
-        us, config = times[default_path(m)]
+        us, config = times[chosen]
         others = ", ".join(f"{p} {t:.1f}" for p, (t, _) in sorted(times.items())
-                           if p != default_path(m))
+                           if p != chosen)
         rows.append(f"| {k} x {n} | {m} | {bf16:.1f} | {us:.1f} | {bf16 / us:.2f}x | "
                     f"{int4_bytes / us / 1e3:.0f} | {config} | {others or '-'} |")
         print(rows[-1], flush=True)

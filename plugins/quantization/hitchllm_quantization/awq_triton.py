@@ -8,10 +8,10 @@ as ``q * s - z * s`` in float32 (exact, like ``(q - z) * s``), and accumulates `
 float32 (``tl.dot``, or elementwise products for GEMV). The int4 weight is read once from
 memory; no float weight is written.
 
-Three paths, by batch size (``default_path``), each autotuned over a few tile shapes keyed
-by the batch's power-of-two bucket and the layer's shape:
+Three paths, each autotuned over a few tile shapes keyed by the batch's power-of-two bucket
+and the layer's shape; ``select_path`` times the two small-batch ones on first use:
 
-- ``gemv`` (``M <= GEMV_MAX_M``, decode of one or two sequences): no tensor cores; one program
+- ``gemv`` (decode of a few sequences): no tensor cores; one program
   per output row, column tile and K split multiplies elementwise into a float32
   ``[BLOCK_K, BLOCK_N]`` tile and reduces over K once at the end;
 - ``split_k`` (``M <= SMALL_M``): ``tl.dot`` on 16-row tiles; few output tiles would leave the
@@ -28,10 +28,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+import triton.testing
 
 from hitchllm_quantization.awq_packing import PACK_FACTOR
 
-GEMV_MAX_M = 2  # batches up to this size take the GEMV path (no tensor cores)
+GEMV_MAX_M = 2  # the GEMV path's batches when there is no time to compare (graph capture)
 SMALL_M = 16  # batches up to this size take the split-K tensor-core path
 
 
@@ -47,17 +48,27 @@ def _nibbles(words, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _dequantize_tile(qweight_ptr, qzeros_ptr, scales_ptr, t, n0, N, K,
+def _load_words(qweight_ptr, t, n0, N, K, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                valid=True):
+    """The packed int32 ``[BLOCK_K, BLOCK_N // 8]`` of K tile ``t``, columns ``n0 ..``; zero
+    outside ``[K, N]`` or when not ``valid``."""
+    packed_n = N // 8
+    rk = t * BLOCK_K + tl.arange(0, BLOCK_K)
+    rc = n0 // 8 + tl.arange(0, BLOCK_N // 8)
+    ok = (rk < K)[:, None] & (rc < packed_n)[None, :] & valid
+    return tl.load(qweight_ptr + rk[:, None] * packed_n + rc[None, :], mask=ok, other=0)
+
+
+@triton.jit
+def _dequantize_tile(words, qzeros_ptr, scales_ptr, t, n0, N, K,
                      GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Rows of K tile ``t`` and columns ``n0 .. n0 + BLOCK_N`` of ``W.T`` in float32; zero
-    outside ``[K, N]``. Each int32 is loaded once and unpacked in registers."""
+    """K tile ``t``, columns ``n0 .. n0 + BLOCK_N`` of ``W.T`` in float32 from its packed
+    ``words`` and the group's zero points and scales; zero outside ``[K, N]``."""
     packed_n = N // 8
     rk = t * BLOCK_K + tl.arange(0, BLOCK_K)
     rc = n0 // 8 + tl.arange(0, BLOCK_N // 8)  # packed columns
     rn = n0 + tl.arange(0, BLOCK_N)
     k_ok = rk < K
-    ok = k_ok[:, None] & (rc < packed_n)[None, :]
-    words = tl.load(qweight_ptr + rk[:, None] * packed_n + rc[None, :], mask=ok, other=0)
     q = _nibbles(words, BLOCK_K, BLOCK_N)
     if GROUP_SIZE % BLOCK_K == 0:  # the whole tile lies in one group: one row of each
         g = (t * BLOCK_K) // GROUP_SIZE
@@ -67,7 +78,8 @@ def _dequantize_tile(qweight_ptr, qzeros_ptr, scales_ptr, t, n0, N, K,
         w = q * s[None, :] - (z * s)[None, :]
     else:  # groups smaller than the tile: each row of the tile reads its group's row
         g = rk // GROUP_SIZE
-        zwords = tl.load(qzeros_ptr + g[:, None] * packed_n + rc[None, :], mask=ok, other=0)
+        zwords = tl.load(qzeros_ptr + g[:, None] * packed_n + rc[None, :],
+                         mask=k_ok[:, None] & (rc < packed_n)[None, :], other=0)
         s = tl.load(scales_ptr + g[:, None] * N + rn[None, :],
                     mask=k_ok[:, None] & (rn < N)[None, :], other=0.0)
         w = (q - _nibbles(zwords, BLOCK_K, BLOCK_N)) * s.to(tl.float32)
@@ -99,7 +111,8 @@ def awq_gemm_kernel(
         rk = t * BLOCK_K + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk,
                     mask=(rm < M)[:, None] & (rk < K)[None, :], other=0.0)
-        w = _dequantize_tile(qweight_ptr, qzeros_ptr, scales_ptr, t, pid_n * BLOCK_N, N, K,
+        words = _load_words(qweight_ptr, t, pid_n * BLOCK_N, N, K, BLOCK_K, BLOCK_N)
+        w = _dequantize_tile(words, qzeros_ptr, scales_ptr, t, pid_n * BLOCK_N, N, K,
                              GROUP_SIZE, BLOCK_K, BLOCK_N)
         acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
     out = out_ptr + rm[:, None] * stride_om + rn[None, :] * stride_on
@@ -131,12 +144,19 @@ def awq_gemv_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(k_tiles, SPLIT_K)
     first = pid_k * per_split
-    for t in range(first, tl.minimum(first + per_split, k_tiles)):
+    last = tl.minimum(first + per_split, k_tiles)
+    n0 = pid_n * BLOCK_N
+    # The weight loads are not pipelined by the compiler here (no tl.dot): prefetch the next
+    # tile's words by hand so that two tiles' loads are in flight.
+    words = _load_words(qweight_ptr, first, n0, N, K, BLOCK_K, BLOCK_N, first < last)
+    for t in range(first, last):
+        upcoming = _load_words(qweight_ptr, t + 1, n0, N, K, BLOCK_K, BLOCK_N, t + 1 < last)
         rk = t * BLOCK_K + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + m * stride_xm + rk * stride_xk, mask=rk < K, other=0.0)
-        w = _dequantize_tile(qweight_ptr, qzeros_ptr, scales_ptr, t, pid_n * BLOCK_N, N, K,
-                             GROUP_SIZE, BLOCK_K, BLOCK_N)
+        w = _dequantize_tile(words, qzeros_ptr, scales_ptr, t, n0, N, K, GROUP_SIZE, BLOCK_K,
+                             BLOCK_N)
         acc += x.to(tl.float32)[:, None] * w
+        words = upcoming
     tl.atomic_add(out_ptr + m * stride_om + rn * stride_on, tl.sum(acc, axis=0), mask=rn < N)
 
 
@@ -145,9 +165,9 @@ def _config(split_k: int, warps: int, stages: int, **tile: int) -> triton.Config
 
 
 GEMV_CONFIGS = [
-    _config(split_k, warps, 3, BLOCK_N=n, BLOCK_K=k)
-    for n, k, warps in ((64, 32, 4), (128, 32, 4), (256, 16, 4), (128, 64, 8), (256, 32, 8))
-    for split_k in (1, 2, 4, 8)
+    _config(split_k, warps, 1, BLOCK_N=n, BLOCK_K=k)
+    for n, k, warps in ((64, 32, 4), (64, 64, 4), (128, 32, 4), (128, 64, 8), (256, 32, 8))
+    for split_k in (2, 4, 8, 16)
 ]
 SPLIT_K_CONFIGS = [
     _config(split_k, 4, stages, BLOCK_M=16, BLOCK_N=n, BLOCK_K=128)
@@ -185,10 +205,28 @@ PATHS = {  # name -> (kernel, autotuned kernel, adds into a float32 buffer)
 }
 
 
-def default_path(m: int) -> str:
-    """The kernel for a batch of ``m`` rows: GEMV up to ``GEMV_MAX_M``, split-K tensor-core
-    tiles up to ``SMALL_M``, whole tiles above."""
-    return "gemv" if m <= GEMV_MAX_M else "split_k" if m <= SMALL_M else "tiles"
+_CHOSEN_PATHS: dict[tuple, str] = {}
+
+
+def select_path(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
+                scales: torch.Tensor, group_size: int) -> str:
+    """The kernel path for ``x``'s batch: ``tiles`` above ``SMALL_M`` rows; below, whichever
+    of ``gemv`` and ``split_k`` (each autotuned) ran faster on the first call for this batch
+    bucket, layer shape and dtype. That first call is eager (the engine runs each batch size
+    once before capturing its CUDA graph); one made while a graph is being captured cannot
+    time anything and takes ``gemv`` up to ``GEMV_MAX_M`` rows, ``split_k`` above."""
+    m = x.shape[0]
+    if m > SMALL_M:
+        return "tiles"
+    key = (triton.next_power_of_2(m), tuple(qweight.shape), group_size, x.dtype)
+    if key not in _CHOSEN_PATHS:
+        if torch.cuda.is_current_stream_capturing():
+            return "gemv" if m <= GEMV_MAX_M else "split_k"
+        times = {path: triton.testing.do_bench(
+            lambda path=path: awq_gemm(x, qweight, qzeros, scales, group_size, path=path))
+            for path in ("gemv", "split_k")}
+        _CHOSEN_PATHS[key] = min(times, key=times.__getitem__)
+    return _CHOSEN_PATHS[key]
 
 
 def awq_gemm(
@@ -197,7 +235,7 @@ def awq_gemm(
 ) -> torch.Tensor:
     """``x @ W.T`` (``x`` ``[M, K]``; AWQ tensors of ``W`` ``[N, K]``) in ``x``'s dtype.
 
-    ``path`` picks the kernel (``default_path(M)`` when None); ``config`` fixes its tile
+    ``path`` picks the kernel (``select_path`` when None); ``config`` fixes its tile
     (``BLOCK_N``, ``BLOCK_K``, ``SPLIT_K``, ``BLOCK_M`` except for ``gemv``, optional
     ``num_warps``/``num_stages``) instead of autotuning: tests use it to run every path under
     the Triton interpreter, the benchmark to compare paths."""
@@ -205,7 +243,7 @@ def awq_gemm(
     n = qweight.shape[1] * PACK_FACTOR
     if qweight.shape[0] != k:
         raise ValueError(f"x has {k} input columns but qweight has {qweight.shape[0]} rows")
-    path = path or default_path(m)
+    path = path or select_path(x, qweight, qzeros, scales, group_size)
     kernel, tuned, atomic = PATHS[path]
     out = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if atomic
            else torch.empty(m, n, dtype=x.dtype, device=x.device))
