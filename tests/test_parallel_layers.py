@@ -21,6 +21,7 @@ from hitchllm.layers import (
     ReplicatedLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    set_weight_attrs,
 )
 from hitchllm.models.llama import LlamaForCausalLM
 from hitchllm.tiny_model import build_tiny_checkpoint
@@ -248,3 +249,56 @@ def test_each_rank_of_a_model_loads_its_shards_of_the_checkpoint(tmp_path, world
     vocab = config.vocab_size
     rows = torch.cat([m.lm_head.weight for m in models])
     assert torch.equal(rows[:vocab], state["lm_head.weight"]) and not rows[vocab:].any()
+
+
+PACK = 2
+
+
+def packed(weight: torch.Tensor) -> torch.Tensor:
+    """A stand-in for int4 packing in the layout AWQ uses: ``[input, output // PACK]``, each
+    element standing for ``PACK`` consecutive output rows (here: their sum)."""
+    return weight.T.reshape(weight.shape[1], -1, PACK).sum(-1)
+
+
+def add_packed_param(layer) -> torch.nn.Parameter:
+    """The layer's packed twin of its weight, loaded through the layer's own loader."""
+    rows = layer.weight.shape[0]
+    param = torch.nn.Parameter(torch.zeros(layer.input_size_per_partition, rows // PACK),
+                               requires_grad=False)
+    set_weight_attrs(param, weight_loader=layer.weight_loader, output_dim=1, input_dim=0,
+                     packed_dim=1, pack_factor=PACK)
+    layer.register_parameter("packed", param)
+    return param
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("kind", ["qkv", "gate_up", "column", "row"])
+def test_packed_output_parameters_load_the_packed_slices_of_every_slot(world_size, kind):
+    """A parameter packing ``pack_factor`` output rows per element (``packed_dim``) gets, on
+    every rank and in every stacked slot, exactly the packing of the rows an unpacked weight
+    gets there: slot offsets and rank slices are counted in packed elements."""
+    builders = {
+        "qkv": (lambda: QKVParallelLinear(HIDDEN, 4, 8, 2), {"q": 32, "k": 8, "v": 8}),
+        "gate_up": (lambda: MergedColumnParallelLinear(HIDDEN, [8, 12]), {0: 8, 1: 12}),
+        "column": (lambda: ColumnParallelLinear(HIDDEN, 12), {None: 12}),
+        "row": (lambda: RowParallelLinear(HIDDEN, 12), {None: 12}),
+    }
+    build, slots = builders[kind]
+    tensors = {slot: randn(rows, HIDDEN) for slot, rows in slots.items()}
+    for layer in ranks(world_size, build):
+        param = add_packed_param(layer)
+        for slot, tensor in tensors.items():
+            load(layer, "weight", tensor, slot)
+            param.weight_loader(param, packed(tensor), slot)
+        assert torch.equal(param.data, packed(layer.weight.data))
+
+
+def test_a_slot_that_is_not_a_whole_number_of_packed_elements_is_refused():
+    layer = QKVParallelLinear(HIDDEN, 3, 4, 2)  # k and v slots of 6 rows: 1.5 elements of 4
+    param = torch.nn.Parameter(torch.zeros(HIDDEN, 6), requires_grad=False)
+    set_weight_attrs(param, weight_loader=layer.weight_loader, output_dim=1, input_dim=0,
+                     packed_dim=1, pack_factor=4)
+    with pytest.raises(ValueError, match="slot 'k' has size 6 .* pack factor 4"):
+        param.weight_loader(param, randn(HIDDEN, 1), "k")
+    with pytest.raises(ValueError, match="slot 'k' has size 6 along the output, not a multiple"):
+        param.weight_loader(param, randn(HIDDEN, 6), None)

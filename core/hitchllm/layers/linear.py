@@ -45,6 +45,19 @@ class _Slot:
     full_size: int
     index: int
 
+    def packed(self, pack_factor: int, shard_id: ShardId) -> _Slot:
+        """The slot in the units of a parameter that packs ``pack_factor`` output rows into
+        one element (``packed_dim``): every size and offset divided by the factor."""
+        if pack_factor == 1:
+            return self
+        for what, value in (("offset", self.offset), ("size", self.size),
+                            ("full size", self.full_size)):
+            if value % pack_factor:
+                raise ValueError(f"slot {shard_id!r} has {what} {value} along the output, not "
+                                 f"a multiple of the parameter's pack factor {pack_factor}")
+        return _Slot(self.offset // pack_factor, self.size // pack_factor,
+                     self.full_size // pack_factor, self.index)
+
 
 def _divide(total: int, world_size: int, what: str) -> int:
     if total % world_size:
@@ -101,13 +114,18 @@ class LinearBase(nn.Module):
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None
     ) -> None:
         """Copy this rank's part of ``loaded_weight`` (slot ``shard_id``; ``None`` is the whole
-        stacked tensor, as a checkpoint that already fuses q/k/v stores it) into ``param``."""
+        stacked tensor, as a checkpoint that already fuses q/k/v stores it) into ``param``.
+
+        A parameter whose ``packed_dim`` is its ``output_dim`` holds ``pack_factor`` output rows
+        per element (int4 values packed in an int32): slots and rank slices are then counted
+        in packed elements, and each must be a whole number of them."""
         dim = getattr(param, "output_dim", None)
         if dim is None:  # not along the output (a per-tensor scale): every slot holds it all
             copy_checked(param.data, loaded_weight)
             return
+        pack = getattr(param, "pack_factor", 1) if getattr(param, "packed_dim", None) == dim else 1
         if shard_id is None and None not in self._slots:
-            sizes = [slot.full_size for slot in self._slots.values()]
+            sizes = [slot.packed(pack, key).full_size for key, slot in self._slots.items()]
             if loaded_weight.shape[dim] != sum(sizes):
                 raise ValueError(f"stacked tensor has {loaded_weight.shape[dim]} rows along "
                                  f"dimension {dim}, expected {sum(sizes)}")
@@ -117,7 +135,7 @@ class LinearBase(nn.Module):
         if shard_id not in self._slots:
             raise ValueError(f"unknown slot {shard_id!r}; this layer has "
                              f"{[k for k in self._slots if k is not None]}")
-        slot = self._slots[shard_id]
+        slot = self._slots[shard_id].packed(pack, shard_id)
         if loaded_weight.shape[dim] != slot.full_size:
             raise ValueError(f"shape {tuple(loaded_weight.shape)} has {loaded_weight.shape[dim]} "
                              f"rows along dimension {dim}, expected {slot.full_size}")

@@ -14,7 +14,12 @@ Every parameter a method creates carries, as attributes (``set_weight_attrs``):
 - ``output_dim`` / ``input_dim``: which dimension of the parameter runs along the layer's
   output (rows of the weight) and input (columns), or ``None`` when it does not (a per-tensor
   scale). The loader slices and places the tensor along these dimensions, so a per-output-
-  channel scale (``output_dim=0``) lands in its q/k/v or gate/up slot like the weight does.
+  channel scale (``output_dim=0``) lands in its q/k/v or gate/up slot like the weight does;
+- ``packed_dim`` / ``pack_factor`` (optional): the parameter stores ``pack_factor`` values per
+  element along ``packed_dim`` (eight int4 values in an int32). When that is the output
+  dimension, the loader counts slot offsets and tensor-parallel slices in packed elements.
+  Along the input dimension nothing changes: a row-parallel loader slices by the parameter's
+  own (packed, or per-group) size, so ``input_dim`` works for per-group scales too.
 """
 
 from __future__ import annotations
@@ -36,8 +41,8 @@ class WeightLoader(Protocol):
 
 
 def set_weight_attrs(param: nn.Parameter, **attrs: Any) -> None:
-    """Attach loading attributes (``weight_loader``, ``output_dim``, ``input_dim``) to
-    ``param``."""
+    """Attach loading attributes (``weight_loader``, ``output_dim``, ``input_dim``,
+    ``packed_dim``, ``pack_factor``) to ``param``."""
     for key, value in attrs.items():
         if hasattr(param, key):
             raise AttributeError(f"parameter already has attribute {key!r}")

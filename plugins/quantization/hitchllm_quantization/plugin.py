@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hitchllm import hookimpl
+from hitchllm_quantization.awq import AWQ
 from hitchllm_quantization.compressed_tensors import CompressedTensors
 from hitchllm_quantization.fp8 import Fp8
 
@@ -20,6 +21,7 @@ def hitchllm_quantization_methods() -> dict[str, type]:
     """The weight quantization methods: name (as in ``quantization=`` or a checkpoint's
     ``quantization_config.quant_method``) -> class."""
     return {
+        "awq": AWQ,
         "fp8": Fp8,
         "compressed-tensors": CompressedTensors,
     }

@@ -1,0 +1,113 @@
+"""AWQ int4 weights (hitchllm-quantization's Triton kernel) vs a bf16 ``F.linear``, at a
+Llama-8B layer's shapes (K x N: 4096 x 14336 gate/up, 14336 x 4096 down, 4096 x 4096 o) and
+batch M = 1, 2, 4, 8, 16 (decode; 64 and 256 for reference), group size 128.
+
+The int4 weight is a round-to-nearest quantization of a random bf16 weight; each output is
+checked against ``F.linear`` on the dequantized weight. Times are device times (CUDA events)
+of calls replayed from CUDA graphs, as the engine's decode runs them, so that Python launch
+overhead counts for neither side; the kernel's autotuning runs on the first, eager call.
+``speedup`` is bf16 time / int4 time (above 1: int4 faster); ``int4 GB/s`` counts the packed
+weight, zeros and scales read once. For M <= 16 every kernel path (gemv, split_k) is timed
+too (``select_path`` picks the faster of them on first use).
+
+    python benchmarks/quant_awq.py [--results benchmarks/RESULTS.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+from datetime import date
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+from hitchllm_quantization.awq_packing import dequantize, quantize_rtn
+from hitchllm_quantization.awq_triton import PATHS, awq_gemm, select_path
+
+from hitchllm.entrypoints.machine import describe_machine
+
+SHAPES = ((4096, 14336), (14336, 4096), (4096, 4096))  # (K, N)
+BATCHES = (1, 2, 4, 8, 16, 64, 256)
+GROUP = 128
+DTYPE = torch.bfloat16
+
+
+def time_us(fn) -> float:
+    """Device time of one call, replayed from a CUDA graph (after one eager call)."""
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench_cudagraph(fn, rep=200) * 1000
+
+
+def best_config(path: str) -> str:
+    config = PATHS[path][1].best_config
+    tile = " ".join(f"{k[6:].lower() if k.startswith('BLOCK_') else k.lower()}{v}"
+                    for k, v in config.kwargs.items())
+    return f"{path}: {tile} w{config.num_warps} s{config.num_stages}"
+
+
+def measure(k: int, n: int) -> list[str]:
+    weight = torch.randn(n, k, device="cuda", dtype=DTYPE) * 0.02
+    qweight, qzeros, scales = quantize_rtn(weight, GROUP)
+    reference_weight = dequantize(qweight, qzeros, scales, GROUP, DTYPE).contiguous()
+    int4_bytes = qweight.numel() * 4 + qzeros.numel() * 4 + scales.numel() * 2
+    rows = []
+    for m in BATCHES:
+        x = torch.randn(m, k, device="cuda", dtype=DTYPE)
+        want = F.linear(x.float(), reference_weight.float())
+        bf16 = time_us(lambda x=x: F.linear(x, weight))
+        chosen = select_path(x, qweight, qzeros, scales, GROUP)
+        paths = {chosen} | ({"gemv", "split_k"} if m <= 16 else set())
+        times = {}
+        for path in sorted(paths):
+            got = awq_gemm(x, qweight, qzeros, scales, GROUP, path=path)
+            error = (got.float() - want).abs().max().item() / want.abs().max().item()
+            if error > 2e-2:
+                raise AssertionError(f"K={k} N={n} M={m} {path}: relative error {error:.3g}")
+            times[path] = (time_us(lambda x=x, p=path: awq_gemm(x, qweight, qzeros, scales,
+                                                               GROUP, path=p)),
+                           best_config(path))
+        us, config = times[chosen]
+        others = ", ".join(f"{p} {t:.1f}" for p, (t, _) in sorted(times.items())
+                           if p != chosen)
+        rows.append(f"| {k} x {n} | {m} | {bf16:.1f} | {us:.1f} | {bf16 / us:.2f}x | "
+                    f"{int4_bytes / us / 1e3:.0f} | {config} | {others or '-'} |")
+        print(rows[-1], flush=True)
+    return rows
+
+
+SECTION = "## AWQ int4 weights: Triton dequantize-and-multiply vs bf16 F.linear"
+ABOUT = ("Reproduce on the GPU machine: `python benchmarks/quant_awq.py --results "
+         "benchmarks/RESULTS.md` (hitchllm-quantization with Triton). Llama-8B layer shapes, "
+         "group size 128, CUDA-graph device times; speedup = bf16 time / int4 time (goal: "
+         ">= 2x at M = 1). The chosen config is the autotuner's for the default path; the "
+         "last column times the other small-batch path.")
+HEADER = ("| K x N | M | bf16 F.linear us | AWQ int4 us | speedup | int4 GB/s | chosen kernel "
+          "config | other paths us |\n|---|---|---|---|---|---|---|---|")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", type=Path, help="append the table to this Markdown file")
+    args = parser.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    lines = [f"### AWQ int4 GEMM vs bf16 ({date.today()}, {describe_machine()}, commit {commit})",
+             "", "`python benchmarks/quant_awq.py` (group size 128; CUDA-graph device times)",
+             "", HEADER]
+    print(HEADER)
+    for k, n in SHAPES:
+        lines += measure(k, n)
+        torch.cuda.empty_cache()
+    if args.results:
+        known = args.results.read_text() if args.results.exists() else ""
+        with args.results.open("a") as f:
+            if SECTION not in known:
+                f.write(f"\n{SECTION}\n\n{ABOUT}\n")
+            f.write("\n" + "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
