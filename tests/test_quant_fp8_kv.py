@@ -396,15 +396,18 @@ class AutoOnlyPlugin:
         return [AutoOnlyBackend]
 
 
-def test_auto_mode_passes_over_a_backend_that_refuses_fp8(llama_path, auto_backend):
+def test_auto_mode_passes_over_a_backend_that_refuses_fp8(llama_path, auto_backend,
+                                                          monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")  # as on a CPU machine: TRITON_ATTN refuses the CPU
     get_plugin_registry().pm.register(AutoOnlyPlugin(), name="model-dtype-only")
     assert engine(llama_path).engine.attention_backend is AutoOnlyBackend
     fp8 = engine(llama_path, kv_cache_dtype="fp8").engine.attention_backend
     assert fp8 is not AutoOnlyBackend and fp8.name in ("CPU_ATTN", "TORCH")
 
 
-def test_auto_mode_serves_fp8_on_cpu_with_cpu_attn(llama_path, auto_backend):
+def test_auto_mode_serves_fp8_on_cpu_with_cpu_attn(llama_path, auto_backend, monkeypatch):
     pytest.importorskip("hitchllm_attention_cpu")
+    monkeypatch.delenv("TRITON_INTERPRET")  # as on a CPU machine: TRITON_ATTN refuses the CPU
     llm = engine(llama_path, kv_cache_dtype="fp8")
     assert llm.engine.attention_backend.name == "CPU_ATTN"
     assert llm.engine.executor.runner.kv_caches[0].dtype == torch.float8_e4m3fn

@@ -21,7 +21,6 @@ from hitchllm_quantization.fp8_gemm import (
     emulated_fp8_linear,
     quantize_activations,
     scaled_mm_fp8_linear,
-    scaled_mm_out_dtype,
 )
 from safetensors.torch import load_file, save_file
 from test_models_hf_parity import mixed_prompts, run
@@ -295,7 +294,7 @@ def test_float_weights_under_an_fp8_config_are_refused(source, tmp_path):
 
 def test_unknown_method_lists_the_installed_ones(source):
     with pytest.raises(ValueError, match=r"'fp9' is not provided.*installed: "
-                                         r"compressed-tensors, fp8"):
+                                         r"awq, compressed-tensors, fp8"):
         LLM(str(source), quantization="fp9")
 
 
@@ -356,10 +355,9 @@ def test_scaled_mm_matches_the_emulated_and_dequantized_product(dtype):
         assert got.dtype == dtype
         emulated = emulated_fp8_linear(xq, x_scale, values, scale, torch.float32)
         dequantized = (xq.double() * x_scale) @ (values.double() * scale[:, None]).t()
-        # Tensor cores sum in float32 in another order; the output dtype rounds last (bfloat16
-        # where this torch build's row-wise kernels cannot write ``dtype``).
-        written = scaled_mm_out_dtype(got.device, dtype)
-        tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}[written]
+        # Tensor cores sum in float32 in another order; the output is written in bfloat16
+        # (see scaled_mm_fp8_linear), which rounds last.
+        tol = 1e-2
         torch.testing.assert_close(got.float(), emulated, rtol=tol, atol=tol)
         torch.testing.assert_close(got.double(), dequantized, rtol=tol, atol=tol)
 
@@ -376,13 +374,9 @@ def test_fp8_checkpoint_on_cuda_uses_scaled_mm_and_matches_the_twin(
     assert qkv.linear_method.use_scaled_mm
     prompts = mixed_prompts(5, lengths=(3, 18, 33))
     ours, theirs = prompt_logprobs(quantized, prompts), prompt_logprobs(reference, prompts)
-    if scaled_mm_out_dtype(qkv.weight.device, torch.float32) == torch.float32:
-        # Tensor cores accumulate in another order than the float64 reference: looser than
-        # on the CPU, still far below the effect of one fp8 step on a log-probability.
-        torch.testing.assert_close(ours, theirs, rtol=0, atol=5e-3)
-        assert run(quantized, prompts) == run(reference, prompts)
-    else:  # every layer's output rounded to bfloat16 (about 0.2%) on this torch build
-        torch.testing.assert_close(ours, theirs, rtol=0, atol=5e-2)
+    # Every layer's output is rounded to bfloat16 (about 0.2%; see scaled_mm_fp8_linear),
+    # a few percent on the log-probabilities of unlikely tokens.
+    torch.testing.assert_close(ours, theirs, rtol=0.06, atol=5e-2)
 
 
 def test_ignored_layers_stay_in_float(source, tmp_path):
@@ -430,9 +424,11 @@ def test_scaled_mm_path_wiring_runs_on_the_cpu_where_torch_has_it(
     qkv = quantized.engine.executor.runner.model.model.layers[0].self_attn.qkv_proj
     assert qkv.linear_method.use_scaled_mm
     prompts = mixed_prompts(5, lengths=(3, 18, 33))
+    # Each layer's output is written in bfloat16 (see scaled_mm_fp8_linear): about 0.2% per
+    # layer, which grows to a few percent on the log-probabilities of unlikely tokens. A wiring
+    # error (layout, scales) changes them wholesale.
     torch.testing.assert_close(prompt_logprobs(quantized, prompts),
-                               prompt_logprobs(reference, prompts), rtol=0, atol=1e-3)
-    assert run(quantized, prompts) == run(reference, prompts)
+                               prompt_logprobs(reference, prompts), rtol=0.06, atol=5e-2)
 
 
 def test_without_the_plugin_fp8_names_the_package_to_install(source, monkeypatch):

@@ -45,7 +45,6 @@ from hitchllm_quantization.fp8_gemm import (
     quantize_rows,
     scaled_mm_fits,
     scaled_mm_fp8_linear,
-    scaled_mm_out_dtype,
 )
 
 # "tensor": one weight scale per tensor (per slot of a fused layer); "channel": one per output
@@ -167,8 +166,6 @@ class Fp8LinearMethod(LinearMethod):
         device = layer.weight.device
         check_fp8_device(device)
         self.use_scaled_mm = fp8_capable(device) and scaled_mm_fits(layer.weight)
-        if self.use_scaled_mm:
-            scaled_mm_out_dtype(device, self.out_dtype)  # probe now, not inside a CUDA graph
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
