@@ -171,6 +171,27 @@ def test_fp8_with_scale_one_loses_tiny_kv_and_checkpoint_scales_recover_it(shrun
     assert scaled_error < plain_error / 5
 
 
+def test_a_compressed_tensors_checkpoint_that_quantizes_only_its_kv_cache(shrunk, tmp_path):
+    """llm-compressor's KV-only checkpoints name the compressed-tensors method with empty
+    config_groups: the weights stay float and the checkpoint's scales reach the layers."""
+    path, state = shrunk
+    amax = first_step_kv_amax(str(path))
+    tensors = dict(state)
+    for i, (k, v) in enumerate(amax):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor([k / E4M3_MAX])
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor([v / E4M3_MAX])
+    config = {"quant_method": "compressed-tensors", "format": "dense", "config_groups": {},
+              "kv_cache_scheme": KV_SCHEME, "quantization_status": "compressed"}
+    llm = engine(write_checkpoint(path, tmp_path / "kv-only", tensors, config),
+                 kv_cache_dtype="fp8")
+    assert scales(llm) == pytest.approx(expected_scales(amax), rel=1e-6)
+    qkv = llm.engine.executor.runner.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype == torch.float32  # not quantized
+    bare = {"quant_method": "compressed-tensors", "config_groups": {}}
+    with pytest.raises(ValueError, match="neither config_groups nor a kv_cache_scheme"):
+        engine(write_checkpoint(path, tmp_path / "bare", state, bare))
+
+
 def scale_checkpoint(shrunk, tmp_path, extra: dict[str, torch.Tensor],
                      quantization_config: dict | None = None) -> str:
     path, state = shrunk

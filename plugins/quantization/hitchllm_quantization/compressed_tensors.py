@@ -104,19 +104,26 @@ class CompressedTensors:
             raise ValueError(f"compressed-tensors sparsity format {sparsity!r} is not supported; "
                              "hitchllm loads dense FP8 checkpoints")
         groups = config.get("config_groups") or {}
+        self.ignore: list[str] = list(config.get("ignore") or [])
+        # A checkpoint that quantizes only its KV cache (llm-compressor writes empty
+        # config_groups and a kv_cache_scheme) keeps its weights as they are.
+        self.scheme: Fp8Scheme | None = None
         if not groups:
-            raise ValueError("compressed-tensors quantization_config has no config_groups")
+            if not config.get("kv_cache_scheme"):
+                raise ValueError("compressed-tensors quantization_config has neither "
+                                 "config_groups nor a kv_cache_scheme: nothing is quantized")
+            return
         schemes = {parse_scheme(n, g, config.get("format")) for n, g in groups.items()}
         if len(schemes) > 1:
             raise ValueError(f"compressed-tensors config groups {sorted(groups)} ask for "
                              "different schemes for the same layers; hitchllm supports one "
                              "FP8 scheme for all linear layers")
         self.scheme = schemes.pop()
-        self.ignore: list[str] = list(config.get("ignore") or [])
         check_fp8_device(torch.get_default_device())
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
-        if not isinstance(layer, LinearBase) or is_ignored(prefix, self.ignore):
+        if (self.scheme is None or not isinstance(layer, LinearBase)
+                or is_ignored(prefix, self.ignore)):
             return None
         return Fp8LinearMethod(prequantized=True,
                                weight_strategy=self.scheme.weight_strategy,
