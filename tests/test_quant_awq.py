@@ -18,10 +18,11 @@ import pytest
 import torch
 from hitchllm_quantization.awq import AWQConfig
 from hitchllm_quantization.awq_packing import dequantize, pack_int4, quantize_rtn, unpack_int4
+from quant_twin import assert_layers_match, prompt_logprobs
 from safetensors.torch import load_file, save_file
 from test_models_hf_parity import mixed_prompts, run
 
-from hitchllm import LLM, SamplingParams
+from hitchllm import LLM
 from hitchllm.tiny_model import build_tiny_checkpoint
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -114,30 +115,12 @@ def test_awq_checkpoint_matches_its_dequantized_float_twin(checkpoints, device):
     assert type(model.lm_head.linear_method).__name__ == "UnquantizedLinearMethod"
 
     # Every projection, fed the same input, gives the float layer's output.
-    reference_layers = dict(reference.engine.executor.runner.model.named_modules())
-    checked = 0
-    for name, layer in model.named_modules():
-        if hasattr(layer, "qweight"):
-            wide = torch.randn(5, layer.input_size, device=device)
-            with torch.no_grad():
-                torch.testing.assert_close(layer(wide), reference_layers[name](wide),
-                                           rtol=tol, atol=tol)
-            checked += 1
-    assert checked == 4 * model.config.num_hidden_layers - 1
+    assert assert_layers_match(quantized, reference, "qweight", tol) == (
+        4 * model.config.num_hidden_layers - 1)
 
     prompts = mixed_prompts(5, lengths=(3, 18, 33))
-    vocab = model.config.vocab_size
-    params = SamplingParams(max_tokens=1, prompt_logprobs=vocab)
-    for ours, theirs in zip(
-        quantized.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False),
-        reference.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False),
-        strict=True,
-    ):
-        for got, want in zip(ours.prompt_logprobs[1:], theirs.prompt_logprobs[1:], strict=True):
-            ids = sorted(want)
-            torch.testing.assert_close(torch.tensor([got[i].logprob for i in ids]),
-                                       torch.tensor([want[i].logprob for i in ids]),
-                                       rtol=tol, atol=tol)
+    torch.testing.assert_close(prompt_logprobs(quantized, prompts),
+                               prompt_logprobs(reference, prompts), rtol=tol, atol=tol)
     assert run(quantized, prompts) == run(reference, prompts)
 
 

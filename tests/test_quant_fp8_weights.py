@@ -22,6 +22,7 @@ from hitchllm_quantization.fp8_gemm import (
     quantize_activations,
     scaled_mm_fp8_linear,
 )
+from quant_twin import assert_layers_match, prompt_logprobs
 from safetensors.torch import load_file, save_file
 from test_models_hf_parity import mixed_prompts, run
 
@@ -167,15 +168,6 @@ def reference_plugin(tmp_path, monkeypatch):
                         "test_fp8_reference_plugin", REFERENCE_PLUGIN)
 
 
-def prompt_logprobs(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
-    """Log-softmax over the full vocabulary at every prompt position after the first."""
-    vocab = llm.engine.executor.runner.model.config.vocab_size
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=1, prompt_logprobs=vocab), use_tqdm=False)
-    return torch.tensor([[entry[i].logprob for i in range(vocab)]
-                         for out in outs for entry in out.prompt_logprobs[1:]])
-
-
 @pytest.mark.parametrize(("fmt", "per_channel", "static"), [
     ("fp8", False, False), ("fp8", True, False), ("fp8", False, True),
     ("compressed-tensors", False, False), ("compressed-tensors", True, False),
@@ -199,16 +191,8 @@ def test_fp8_checkpoint_matches_dequantized_twin_with_quantized_activations(
 
     # Every projection, fed the same input, gives the reference layer's output. The two
     # differ only by float32 vs float64 rounding (~1e-6 relative).
-    reference_layers = dict(reference.engine.executor.runner.model.named_modules())
-    generator = torch.Generator().manual_seed(1)
-    checked = 0
-    for name, layer in model.named_modules():
-        if hasattr(layer, "weight_scale"):
-            x = torch.randn(5, layer.input_size, generator=generator) * (0.3 if static else 1)
-            with torch.no_grad():
-                torch.testing.assert_close(layer(x), reference_layers[name](x),
-                                           rtol=1e-5, atol=1e-5)
-            checked += 1
+    checked = assert_layers_match(quantized, reference, "weight_scale", scale=0.3 if static else 1,
+                                  generator=torch.Generator().manual_seed(1))
     assert checked == 4 * model.config.num_hidden_layers
 
     # The whole model. The float32 and float64 paths can round a rare activation to the
@@ -259,11 +243,16 @@ def test_online_fp8_keeps_the_bundled_models_greedy_tokens_and_loss():
     assert abs(loss - base_loss) / base_loss < 0.01, (loss, base_loss)
 
 
+def replace_tensor(path: str, name: str, tensor: torch.Tensor) -> None:
+    """Overwrite tensor ``name`` in the checkpoint at ``path``."""
+    state = load_file(str(Path(path) / "model.safetensors"))
+    state[name] = tensor
+    save_file(state, str(Path(path) / "model.safetensors"))
+
+
 def test_wrong_shaped_weight_scale_fails_naming_the_tensor(source, tmp_path):
     fp8_path, _ = make_checkpoints(source, tmp_path, "fp8", per_channel=True, static=False)
-    state = load_file(str(Path(fp8_path) / "model.safetensors"))
-    state["model.layers.1.self_attn.k_proj.weight_scale"] = torch.ones(3)
-    save_file(state, str(Path(fp8_path) / "model.safetensors"))
+    replace_tensor(fp8_path, "model.layers.1.self_attn.k_proj.weight_scale", torch.ones(3))
     with pytest.raises(ValueError, match=r"'model.layers.1.self_attn.k_proj.weight_scale'.*"
                                          r"shape \(3,\); expected a per-tensor .* \(32,\)"):
         LLM(fp8_path, block_size=4)
@@ -272,9 +261,7 @@ def test_wrong_shaped_weight_scale_fails_naming_the_tensor(source, tmp_path):
     # is refused too.
     ct_path, _ = make_checkpoints(source, tmp_path, "compressed-tensors", per_channel=True,
                                   static=False)
-    state = load_file(str(Path(ct_path) / "model.safetensors"))
-    state["model.layers.0.mlp.down_proj.weight_scale"] = torch.ones(1)
-    save_file(state, str(Path(ct_path) / "model.safetensors"))
+    replace_tensor(ct_path, "model.layers.0.mlp.down_proj.weight_scale", torch.ones(1))
     with pytest.raises(ValueError, match=r"'model.layers.0.mlp.down_proj.weight_scale'.*"
                                          r"expected one per output channel"):
         LLM(ct_path, block_size=4)

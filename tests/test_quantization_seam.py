@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 from fake_dists import install_fake_plugin
+from quant_twin import assert_layers_match, prompt_logprobs
 from safetensors.torch import load_file, save_file
 from test_models_hf_parity import mixed_prompts, run
 
-from hitchllm import LLM, SamplingParams
+from hitchllm import LLM
 from hitchllm.tiny_model import build_tiny_checkpoint
 
 PLUGIN = """
@@ -129,30 +130,13 @@ def test_int8_checkpoint_matches_its_dequantized_float_twin(plugin, checkpoints)
     assert len(plugin.PROCESSED) == 4 * model.config.num_hidden_layers
 
     # Every projection, fed the same input, gives the float layer's output.
-    reference_layers = dict(reference.engine.executor.runner.model.named_modules())
-    for name, layer in model.named_modules():
-        if hasattr(layer, "weight_scale"):
-            wide = torch.randn(5, layer.input_size, device=quantized.engine.device)
-            with torch.no_grad():
-                torch.testing.assert_close(layer(wide), reference_layers[name](wide),
-                                           rtol=1e-5, atol=1e-5)
+    assert_layers_match(quantized, reference, "weight_scale")
 
     # The whole model: log-softmax of the logits at every prompt position, over the full
     # vocabulary, and greedy tokens.
     prompts = mixed_prompts(5, lengths=(3, 18, 33))
-    vocab = model.config.vocab_size
-    params = SamplingParams(max_tokens=1, prompt_logprobs=vocab)
-    for ours, theirs in zip(
-        quantized.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False),
-        reference.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False),
-        strict=True,
-    ):
-        for got, want in zip(ours.prompt_logprobs[1:], theirs.prompt_logprobs[1:], strict=True):
-            ids = sorted(want)
-            assert sorted(got) == ids
-            torch.testing.assert_close(torch.tensor([got[i].logprob for i in ids]),
-                                       torch.tensor([want[i].logprob for i in ids]),
-                                       rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(prompt_logprobs(quantized, prompts),
+                               prompt_logprobs(reference, prompts), rtol=1e-5, atol=1e-5)
     assert run(quantized, prompts) == run(reference, prompts)
 
 
