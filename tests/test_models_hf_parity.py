@@ -31,6 +31,16 @@ def run(llm: LLM, prompts: list[list[int]], max_tokens: int = MAX_NEW) -> list[l
     return [o.outputs[0].token_ids for o in outs]
 
 
+def run_staggered(llm: LLM) -> list[list[int]]:
+    """Greedy tokens of nine mixed-length prompts that stop after 1 to 40 tokens (EOS
+    ignored), so the decode batch shrinks step by step: CUDA graphs replay at many sizes."""
+    prompts = mixed_prompts(3, lengths=(1, 3, 7, 16, 29, 45, 5, 12, 33))
+    lens = (40, 3, 17, 25, 9, 33, 1, 12, 28)
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in lens]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_greedy_matches_transformers_mixed_batch(tiny_models, arch):
     path = tiny_models[arch]

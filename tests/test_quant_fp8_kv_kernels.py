@@ -30,13 +30,13 @@ import numpy as np
 import pytest
 import torch
 from attention_reference import make_batch, reference_attention
-from test_models_hf_parity import mixed_prompts, run
+from test_models_hf_parity import mixed_prompts, run, run_staggered
 
 pytest.importorskip("hitchllm_attention_triton")
 pytest.importorskip("hitchllm_attention_flashinfer")
 
 import hitchllm_attention_flashinfer.backend as fi_backend
-from hitchllm import LLM, SamplingParams, default_model_path
+from hitchllm import LLM, default_model_path
 from hitchllm.attention import AttentionSpec, dequantize_kv, quantize_kv
 from hitchllm_attention_flashinfer import FlashInferAttentionBackend
 from hitchllm_attention_triton import TritonAttentionBackend
@@ -414,17 +414,9 @@ def test_gpu_fp8_cuda_graph_replay_equals_eager(tiny64, name):
     kernels read the scale tensors at replay, so replay equals eager."""
     _usable(name)
     path = tiny64
-    prompts = mixed_prompts(3, lengths=(1, 3, 7, 16, 29, 45, 5, 12, 33))
-    lens = (40, 3, 17, 25, 9, 33, 1, 12, 28)
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in lens]
-
-    def generate(llm):
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [o.outputs[0].token_ids for o in outs]
-
     graphs = LLM(path, device="cuda", attention_backend=name, kv_cache_dtype="fp8")
     assert graphs.engine.executor.runner.graphs.captured
     set_kv_scales(graphs, 0.3, 1.7)
     eager = set_kv_scales(LLM(path, device="cuda", attention_backend=name,
                               kv_cache_dtype="fp8", enforce_eager=True), 0.3, 1.7)
-    assert generate(graphs) == generate(eager)
+    assert run_staggered(graphs) == run_staggered(eager)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 from attention_reference import make_batch, reference_attention
-from test_models_hf_parity import mixed_prompts, run
+from test_models_hf_parity import mixed_prompts, run, run_staggered
 
 pytest.importorskip("hitchllm_attention_flash")
 pytest.importorskip("hitchllm_attention_flashinfer")
@@ -421,15 +421,7 @@ def test_gpu_backends_agree_on_engine_tokens(models64, name):
 def test_gpu_cuda_graph_replay_equals_eager(models64, name):
     _usable(name)  # skip, as the kernel tests do, where the library is missing
     path = models64["Qwen3ForCausalLM"]
-    prompts = mixed_prompts(3, lengths=(1, 3, 7, 16, 29, 45, 5, 12, 33))
-    lens = (40, 3, 17, 25, 9, 33, 1, 12, 28)
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in lens]
-
-    def generate(llm):
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [o.outputs[0].token_ids for o in outs]
-
     graphs = LLM(path, device="cuda", attention_backend=name)
     assert graphs.engine.executor.runner.graphs.captured
     eager = LLM(path, device="cuda", attention_backend=name, enforce_eager=True)
-    assert generate(graphs) == generate(eager)
+    assert run_staggered(graphs) == run_staggered(eager)
