@@ -16,8 +16,6 @@ too (``select_path`` picks the faster of them on first use).
 from __future__ import annotations
 
 import argparse
-import subprocess
-from datetime import date
 from pathlib import Path
 
 import torch
@@ -25,8 +23,7 @@ import torch.nn.functional as F
 import triton.testing
 from hitchllm_quantization.awq_packing import dequantize, quantize_rtn
 from hitchllm_quantization.awq_triton import PATHS, awq_gemm, select_path
-
-from hitchllm.entrypoints.machine import describe_machine
+from results_md import append_results, entry_heading
 
 SHAPES = ((4096, 14336), (14336, 4096), (4096, 4096))  # (K, N)
 BATCHES = (1, 2, 4, 8, 16, 64, 256)
@@ -92,21 +89,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", type=Path, help="append the table to this Markdown file")
     args = parser.parse_args()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or "unknown"
-    lines = [f"### AWQ int4 GEMM vs bf16 ({date.today()}, {describe_machine()}, commit {commit})",
-             "", "`python benchmarks/quant_awq.py` (group size 128; CUDA-graph device times)",
-             "", HEADER]
+    lines = [*entry_heading("AWQ int4 GEMM vs bf16", "python benchmarks/quant_awq.py",
+                            "(group size 128; CUDA-graph device times)"), HEADER]
     print(HEADER)
     for k, n in SHAPES:
         lines += measure(k, n)
         torch.cuda.empty_cache()
     if args.results:
-        known = args.results.read_text() if args.results.exists() else ""
-        with args.results.open("a") as f:
-            if SECTION not in known:
-                f.write(f"\n{SECTION}\n\n{ABOUT}\n")
-            f.write("\n" + "\n".join(lines) + "\n")
+        append_results(args.results, lines, SECTION, ABOUT)
 
 
 if __name__ == "__main__":

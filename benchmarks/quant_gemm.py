@@ -20,9 +20,7 @@ Needs only torch and the core and plugin sources (no pydantic):
 from __future__ import annotations
 
 import argparse
-import subprocess
 from collections.abc import Callable
-from datetime import date
 from pathlib import Path
 
 import torch
@@ -33,8 +31,7 @@ from hitchllm_quantization.fp8_gemm import (
     quantize_rows,
     scaled_mm_fp8_linear,
 )
-
-from hitchllm.entrypoints.machine import describe_machine
+from results_md import append_results, entry_heading
 
 SHAPES = [(4096, 14336), (14336, 4096), (4096, 4096)]  # (K, N)
 TOKENS = [1, 16, 64, 256, 1024, 2048, 4096, 8192]
@@ -104,10 +101,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU with fp8 (sm_89+)")
     check_fp8_device(torch.device("cuda"))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, check=False).stdout.strip() or "unknown"
-    lines = [f"### fp8 W8A8 GEMM vs bf16 ({date.today()}, {describe_machine()}, commit "
-             f"{commit})", "", "`python benchmarks/quant_gemm.py`", "", HEADER]
+    lines = [*entry_heading("fp8 W8A8 GEMM vs bf16", "python benchmarks/quant_gemm.py"), HEADER]
     print(HEADER)
     for k, n in SHAPES:
         for m in TOKENS:
@@ -115,8 +109,7 @@ def main() -> None:
             print(line, flush=True)
             lines.append(line)
     if args.results:
-        with args.results.open("a") as f:
-            f.write("\n" + "\n".join(lines) + "\n")
+        append_results(args.results, lines)
 
 
 if __name__ == "__main__":
