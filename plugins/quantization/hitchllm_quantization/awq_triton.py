@@ -87,6 +87,15 @@ def _dequantize_tile(words, qzeros_ptr, scales_ptr, t, n0, N, K,
 
 
 @triton.jit
+def _split_k_tiles(K, pid_k, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """The K tiles ``first .. last - 1`` that K split ``pid_k`` of ``SPLIT_K`` walks."""
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    first = pid_k * per_split
+    return first, tl.minimum(first + per_split, k_tiles)
+
+
+@triton.jit
 def awq_gemm_kernel(
     x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, out_ptr,
     M, N, K,
@@ -104,10 +113,8 @@ def awq_gemm_kernel(
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(k_tiles, SPLIT_K)
-    first = pid_k * per_split
-    for t in range(first, tl.minimum(first + per_split, k_tiles)):
+    first, last = _split_k_tiles(K, pid_k, BLOCK_K, SPLIT_K)
+    for t in range(first, last):
         rk = t * BLOCK_K + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk,
                     mask=(rm < M)[:, None] & (rk < K)[None, :], other=0.0)
@@ -141,10 +148,7 @@ def awq_gemv_kernel(
     m = tl.program_id(2)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(k_tiles, SPLIT_K)
-    first = pid_k * per_split
-    last = tl.minimum(first + per_split, k_tiles)
+    first, last = _split_k_tiles(K, pid_k, BLOCK_K, SPLIT_K)
     n0 = pid_n * BLOCK_N
     # The weight loads are not pipelined by the compiler here (no tl.dot): prefetch the next
     # tile's words by hand so that two tiles' loads are in flight.
