@@ -97,8 +97,8 @@ class CompressedTensors:
             raise ValueError("quantization='compressed-tensors' loads checkpoints whose "
                              "quantization_config.quant_method is 'compressed-tensors'; to "
                              "quantize a float checkpoint at load use quantization='fp8'")
-        # ``kv_cache_scheme`` (fp8 KV-cache k_scale/v_scale) is read by the KV-cache side of
-        # this plugin, not by the weight method: it is left alone here on purpose.
+        # ``kv_cache_scheme`` (fp8 KV-cache k_scale/v_scale) is validated and served by the
+        # KV-cache side of this plugin (fp8_kv); here it only tells a KV-cache-only checkpoint.
         sparsity = (config.get("sparsity_config") or {}).get("format")
         if sparsity not in (None, "dense"):
             raise ValueError(f"compressed-tensors sparsity format {sparsity!r} is not supported; "

@@ -91,7 +91,6 @@ class Fp8LinearMethod(LinearMethod):
         output_partition_sizes: list[int], params_dtype: torch.dtype,
         weight_loader: WeightLoader,
     ) -> None:
-        self.out_dtype = params_dtype
         if not self.prequantized:
             UnquantizedLinearMethod().create_weights(
                 layer, input_size_per_partition, output_partition_sizes, params_dtype,

@@ -5,10 +5,9 @@ On a CUDA device with fp8 tensor cores (compute capability 8.9 and up: Ada, Hopp
 the GEMM is ``torch._scaled_mm`` with row-wise scales. Its rules (torch 2.11 and 2.13 alike):
 ``mat1`` ``[M, K]`` row-major and ``mat2`` ``[K, N]`` column-major, both fp8; ``K`` and ``N``
 divisible by 16 (``M`` may be anything: the row-wise kernels pad the row scales themselves);
-``scale_a`` ``[M, 1]`` and ``scale_b`` ``[1, N]``, float32 and contiguous. Row-wise scaling
-always supports a bfloat16 output; float16 and float32 outputs depend on the torch build and
-cuBLAS version, so the method probes them once at load and otherwise computes in bfloat16 and
-casts. A weight whose ``K`` or ``N`` is not a multiple of 16 takes the emulated path below.
+``scale_a`` ``[M, 1]`` and ``scale_b`` ``[1, N]``, float32 and contiguous. The GEMM always
+writes bfloat16 and casts to the model dtype (see ``scaled_mm_fp8_linear``). A weight whose
+``K`` or ``N`` is not a multiple of 16 takes the emulated path below.
 
 Everywhere else (the CPU, for tests) ``emulated_fp8_linear`` computes the same numbers with
 float32 arithmetic: activations rounded to fp8 per token exactly as on the GPU, the fp8 weight
