@@ -1,11 +1,30 @@
-"""Checks that a quantized model computes what its dequantized float twin does: layer by layer
-and as log-probabilities over the full vocabulary."""
+"""Quantized test checkpoints and their dequantized float twins: writing them, and checking
+that a quantized model computes what its twin does, layer by layer and as log-probabilities
+over the full vocabulary."""
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import torch
+from safetensors.torch import save_file
 
 from hitchllm import LLM, SamplingParams
+
+
+def write_checkpoint(source: Path, path: Path, tensors: dict[str, torch.Tensor],
+                     quantization_config: dict | None = None) -> str:
+    """A copy of checkpoint ``source`` at ``path`` holding ``tensors``, with
+    ``quantization_config`` added to its config.json when given."""
+    shutil.copytree(source, path, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file(tensors, str(path / "model.safetensors"))
+    if quantization_config is not None:
+        config = json.loads((path / "config.json").read_text())
+        config["quantization_config"] = quantization_config
+        (path / "config.json").write_text(json.dumps(config))
+    return str(path)
 
 
 def assert_layers_match(quantized: LLM, reference: LLM, marker: str, tol: float = 1e-5,

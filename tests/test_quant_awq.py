@@ -18,7 +18,7 @@ import pytest
 import torch
 from hitchllm_quantization.awq import AWQConfig
 from hitchllm_quantization.awq_packing import dequantize, pack_int4, quantize_rtn, unpack_int4
-from quant_twin import assert_layers_match, prompt_logprobs
+from quant_twin import assert_layers_match, prompt_logprobs, write_checkpoint
 from safetensors.torch import load_file, save_file
 from test_models_hf_parity import mixed_prompts, run
 
@@ -73,20 +73,10 @@ def awq_checkpoint(source: Path, root: Path, group_size: int = GROUP) -> tuple[P
             twin[name] = dequantize(qweight, qzeros, scales, group_size, tensor.dtype).contiguous()
         else:
             quantized[name] = twin[name] = tensor
-    paths = []
-    for kind, tensors in (("awq", quantized), ("twin", twin)):
-        path = root / kind
-        shutil.copytree(source, path, ignore=shutil.ignore_patterns("*.safetensors"))
-        save_file(tensors, str(path / "model.safetensors"))
-        if kind == "awq":
-            config = json.loads((path / "config.json").read_text())
-            config["quantization_config"] = {
-                "quant_method": "awq", "bits": 4, "group_size": group_size,
-                "zero_point": True, "version": "gemm", "modules_to_not_convert": [FLOAT_LAYER],
-            }
-            (path / "config.json").write_text(json.dumps(config))
-        paths.append(path)
-    return paths[0], paths[1]
+    config = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
+              "version": "gemm", "modules_to_not_convert": [FLOAT_LAYER]}
+    return (Path(write_checkpoint(source, root / "awq", quantized, config)),
+            Path(write_checkpoint(source, root / "twin", twin)))
 
 
 @pytest.fixture(scope="module")

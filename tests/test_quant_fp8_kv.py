@@ -11,16 +11,15 @@ scales keep them at full fp8 precision (logprobs close to the float32 cache's)."
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from attention_reference import make_batch, reference_attention
 from hitchllm_quantization.fp8_kv import KVScaleCalibration
-from safetensors.torch import load_file, save_file
+from quant_twin import write_checkpoint
+from safetensors.torch import load_file
 from test_kv_cache_spec import FP8, fp8_rounded
 from test_torch_attention import CASES
 
@@ -44,17 +43,6 @@ PROMPT = list(range(3, 120))
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
 KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
              "symmetric": True}
-
-
-def write_checkpoint(source: Path, path: Path, tensors: dict[str, torch.Tensor],
-                     quantization_config: dict | None = None) -> str:
-    shutil.copytree(source, path, ignore=shutil.ignore_patterns("*.safetensors"))
-    save_file(tensors, str(path / "model.safetensors"))
-    if quantization_config is not None:
-        config = json.loads((path / "config.json").read_text())
-        config["quantization_config"] = quantization_config
-        (path / "config.json").write_text(json.dumps(config))
-    return str(path)
 
 
 @pytest.fixture(scope="module")

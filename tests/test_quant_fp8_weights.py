@@ -9,7 +9,6 @@ same references."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from hitchllm_quantization.fp8_gemm import (
     quantize_activations,
     scaled_mm_fp8_linear,
 )
-from quant_twin import assert_layers_match, prompt_logprobs
+from quant_twin import assert_layers_match, prompt_logprobs, write_checkpoint
 from safetensors.torch import load_file, save_file
 from test_models_hf_parity import mixed_prompts, run
 
@@ -85,16 +84,6 @@ def quantize(weight: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, tor
     amax = w.abs().amax(dim=1, keepdim=True) if per_channel else w.abs().amax()
     scale = amax / 448
     return (w / scale).clamp(-448, 448).to(FP8), scale
-
-
-def write_checkpoint(source: Path, path: Path, tensors: dict, quantization_config: dict | None):
-    shutil.copytree(source, path, ignore=shutil.ignore_patterns("*.safetensors"))
-    save_file(tensors, str(path / "model.safetensors"))
-    config = json.loads((path / "config.json").read_text())
-    if quantization_config is not None:
-        config["quantization_config"] = quantization_config
-    (path / "config.json").write_text(json.dumps(config))
-    return str(path)
 
 
 def quant_config(fmt: str, per_channel: bool, static: bool) -> dict:

@@ -7,14 +7,13 @@ dequantized into an ordinary float checkpoint."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from fake_dists import install_fake_plugin
-from quant_twin import assert_layers_match, prompt_logprobs
+from quant_twin import assert_layers_match, prompt_logprobs, write_checkpoint
 from safetensors.torch import load_file, save_file
 from test_models_hf_parity import mixed_prompts, run
 
@@ -95,17 +94,8 @@ def checkpoints(tmp_path_factory) -> tuple[str, str]:
             dequantized[name] = (values.float() * scale[:, None]).to(tensor.dtype)
         else:
             quantized[name] = dequantized[name] = tensor
-    paths = []
-    for kind, tensors in (("int8", quantized), ("float", dequantized)):
-        path = root / kind
-        shutil.copytree(source, path, ignore=shutil.ignore_patterns("*.safetensors"))
-        save_file(tensors, str(path / "model.safetensors"))
-        if kind == "int8":
-            config = json.loads((path / "config.json").read_text())
-            config["quantization_config"] = {"quant_method": "test_int8"}
-            (path / "config.json").write_text(json.dumps(config))
-        paths.append(str(path))
-    return paths[0], paths[1]
+    return (write_checkpoint(source, root / "int8", quantized, {"quant_method": "test_int8"}),
+            write_checkpoint(source, root / "float", dequantized))
 
 
 @pytest.fixture
