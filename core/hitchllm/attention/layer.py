@@ -65,7 +65,8 @@ class Attention(nn.Module):
     stored value = K / k_scale. They load from a checkpoint when it has them (see
     ``KV_SCALE_CHECKPOINT_NAMES``; a checkpoint without them is fine: they are
     ``optional_in_checkpoint``), and the plugin implementing ``hitchllm_kv_cache_scales``
-    settles them before the first step. Update them in place (``layer.k_scale.fill_(s)``),
+    settles them before the first step (with ``calculate_kv_scales``: during the first step
+    that serves prompts). Update them in place (``layer.k_scale.fill_(s)``),
     never by rebinding, so bound impls and captured CUDA graphs see the new value.
     """
 
