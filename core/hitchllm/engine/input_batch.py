@@ -81,13 +81,12 @@ class InputBatch:
         self.states[new.request_id] = state
         return state
 
-    def release(self, request_id: str) -> RequestState | None:
-        """Drop a request's state and give its row back (it finished or was preempted);
-        returns the state, or None for a request the runner never ran."""
+    def release(self, request_id: str) -> None:
+        """Drop a request's state and give its row back (it finished or was preempted); a
+        request the runner never ran is ignored."""
         state = self.states.pop(request_id, None)
         if state is not None:
             self._free_rows.append(state.row)
-        return state
 
     def sync(self, state: RequestState, new_block_ids: list[int], drafts: list[int]) -> int:
         """Copy in the request's tokens sampled since the last sync, its drafts (rewritten

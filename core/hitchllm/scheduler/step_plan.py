@@ -31,10 +31,6 @@ class NewRequestData:
     # with the plan, so a multiprocess executor needs it picklable.
     lora_request: Any = None
 
-    @property
-    def lora_name(self) -> str | None:
-        return getattr(self.lora_request, "lora_name", None)
-
 
 @dataclass
 class StepPlan:

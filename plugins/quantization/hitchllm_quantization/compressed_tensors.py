@@ -111,7 +111,9 @@ class CompressedTensors:
         if not groups:
             if not config.get("kv_cache_scheme"):
                 raise ValueError("compressed-tensors quantization_config has neither "
-                                 "config_groups nor a kv_cache_scheme: nothing is quantized")
+                                 "config_groups nor a kv_cache_scheme: nothing is quantized; "
+                                 "remove quantization_config from config.json to load the "
+                                 "checkpoint as float")
             return
         schemes = {parse_scheme(n, g, config.get("format")) for n, g in groups.items()}
         if len(schemes) > 1:

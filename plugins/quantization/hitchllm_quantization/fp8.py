@@ -80,7 +80,9 @@ class Fp8LinearMethod(LinearMethod):
         static_activations: bool = False,
     ) -> None:
         if static_activations and not prequantized:
-            raise ValueError("static activation scales come from a pre-quantized checkpoint")
+            raise ValueError("activation_scheme 'static' needs a pre-quantized fp8 checkpoint "
+                             "(its input_scale tensors); quantizing at load, use "
+                             "activation_scheme 'dynamic'")
         self.prequantized = prequantized
         self.weight_strategy = weight_strategy
         self.static_activations = static_activations

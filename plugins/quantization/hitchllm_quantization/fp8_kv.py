@@ -82,6 +82,11 @@ def settle_kv_scales(
                     ", replacing the checkpoint's")
         return KVScaleCalibration(layers, kv_cache_dtype)
     if scheme is not None or len(missing) < len(layers):
+        if len(missing) == len(layers):
+            raise ValueError(
+                "the checkpoint declares an fp8 KV cache (quantization_config.kv_cache_scheme) "
+                "but holds no k_scale/v_scale tensors; use --calculate-kv-scales to compute "
+                "them from the first prompts, or kv_cache_dtype=auto")
         if missing:
             raise ValueError(
                 f"the checkpoint has fp8 KV-cache scales (k_scale and v_scale) for "
