@@ -9,9 +9,9 @@ float32 (``tl.dot``, or elementwise products for GEMV). The int4 weight is read 
 memory; no float weight is written.
 
 Three paths, each autotuned over a few tile shapes keyed by the batch's power-of-two bucket
-and the layer's shape; ``select_path`` times the two small-batch ones on first use:
+and the layer's shape; ``select_path`` picks one by the batch's size:
 
-- ``gemv`` (decode of a few sequences): no tensor cores; one program
+- ``gemv`` (decode of one sequence): no tensor cores; one program
   per output row, column tile and K split multiplies elementwise into a float32
   ``[BLOCK_K, BLOCK_N]`` tile and reduces over K once at the end;
 - ``split_k`` (``M <= SMALL_M``): ``tl.dot`` on 16-row tiles; few output tiles would leave the
@@ -28,11 +28,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-import triton.testing
 
 from hitchllm_quantization.awq_packing import PACK_FACTOR
 
-GEMV_MAX_M = 2  # the GEMV path's batches when there is no time to compare (graph capture)
+GEMV_MAX_M = 1  # batches up to this size take the GEMV path
 SMALL_M = 16  # batches up to this size take the split-K tensor-core path
 
 
@@ -209,28 +208,16 @@ PATHS = {  # name -> (kernel, autotuned kernel, adds into a float32 buffer)
 }
 
 
-_CHOSEN_PATHS: dict[tuple, str] = {}
-
-
-def select_path(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
-                scales: torch.Tensor, group_size: int) -> str:
-    """The kernel path for ``x``'s batch: ``tiles`` above ``SMALL_M`` rows; below, whichever
-    of ``gemv`` and ``split_k`` (each autotuned) ran faster on the first call for this batch
-    bucket, layer shape and dtype. That first call is eager (the engine runs each batch size
-    once before capturing its CUDA graph); one made while a graph is being captured cannot
-    time anything and takes ``gemv`` up to ``GEMV_MAX_M`` rows, ``split_k`` above."""
-    m = x.shape[0]
+def select_path(m: int) -> str:
+    """The kernel path for a batch of ``m`` rows: ``gemv`` for one, ``split_k`` up to
+    ``SMALL_M``, ``tiles`` above. A fixed rule from H100 measurements with cold weights
+    (benchmarks/quant_awq.py): the GEMV wins only at one row (32 vs 42 us at 4096 x 14336) and
+    loses from two rows on, at every Llama-8B shape. An earlier version timed both paths on
+    first use instead, but a one-off timing reads the weight from the L2 cache, not from memory
+    as a served model does, and picked the slower path."""
     if m > SMALL_M:
         return "tiles"
-    key = (triton.next_power_of_2(m), tuple(qweight.shape), group_size, x.dtype)
-    if key not in _CHOSEN_PATHS:
-        if torch.cuda.is_current_stream_capturing():
-            return "gemv" if m <= GEMV_MAX_M else "split_k"
-        times = {path: triton.testing.do_bench(
-            lambda path=path: awq_gemm(x, qweight, qzeros, scales, group_size, path=path))
-            for path in ("gemv", "split_k")}
-        _CHOSEN_PATHS[key] = min(times, key=times.__getitem__)
-    return _CHOSEN_PATHS[key]
+    return "gemv" if m <= GEMV_MAX_M else "split_k"
 
 
 def awq_gemm(
@@ -247,7 +234,7 @@ def awq_gemm(
     n = qweight.shape[1] * PACK_FACTOR
     if qweight.shape[0] != k:
         raise ValueError(f"x has {k} input columns but qweight has {qweight.shape[0]} rows")
-    path = path or select_path(x, qweight, qzeros, scales, group_size)
+    path = path or select_path(m)
     kernel, tuned, atomic = PATHS[path]
     out = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if atomic
            else torch.empty(m, n, dtype=x.dtype, device=x.device))

@@ -118,7 +118,12 @@ def scaled_mm_fp8_linear(
     Row-wise scaled ``torch._scaled_mm`` always writes bfloat16 here: asked for float32 or
     float16 on an H100 (torch 2.11) it accepted, yet rounded as coarsely as bfloat16 or worse
     (float32 out: relative errors of 5%), so a float32 promise would be false. The bfloat16
-    result is cast to ``out_dtype``."""
+    result is cast to ``out_dtype``.
+
+    ``use_fast_accum``: the tensor cores keep the running sum in their own accumulator instead
+    of promoting it to float32 registers every few K steps. Measured on an H100 (4096 x 14336,
+    M = 2048..8192): 1.67x bf16 instead of 1.50x, and the same error against a float32
+    reference to four digits (0.0375: the fp8 rounding of the inputs dominates)."""
     out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
-                           out_dtype=torch.bfloat16)
+                           out_dtype=torch.bfloat16, use_fast_accum=True)
     return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
