@@ -138,6 +138,13 @@ class EngineConfig(BaseModel):
     # A proposer from a speculative-decoding plugin, and how many draft tokens per step.
     speculative_method: str | None = None
     num_speculative_tokens: int = Field(0, ge=0, le=64)
+    # The proposer's checkpoint directory (a draft model, an EAGLE head), for methods that
+    # need one.
+    speculative_model: str | None = None
+    # n-gram (prompt lookup) proposers: the shortest and longest suffix of the context matched
+    # against earlier context.
+    prompt_lookup_min: int = Field(1, ge=1)
+    prompt_lookup_max: int = Field(4, ge=1)
     # CUDA: run every step eagerly instead of replaying captured CUDA graphs for decode.
     enforce_eager: bool = False
     # CUDA: compile the model's elementwise ops (norms, residual adds, rotary, activation)
@@ -182,6 +189,11 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_speculation(self) -> EngineConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) is above prompt_lookup_max "
+                f"({self.prompt_lookup_max}); the n-gram sizes to match run from min to max"
+            )
         if self.speculative_method and self.num_speculative_tokens == 0:
             raise ValueError(
                 "speculative_method is set but num_speculative_tokens is 0; set it to the "

@@ -32,6 +32,17 @@ def add_engine_args(
                         "prompts served (default: the checkpoint's scales, else 1.0)")
     g.add_argument("--quantization", help="a weight quantization method from a plugin, e.g. "
                    "fp8 or awq (default: the checkpoint's quant_method, if any)")
+    g.add_argument("--speculative-method",
+                   help="speculative decoding proposer from a plugin, e.g. ngram, draft_model "
+                        "or eagle (hitchllm-specdec); needs --num-speculative-tokens")
+    g.add_argument("--num-speculative-tokens", type=int,
+                   help="draft tokens proposed per request and step")
+    g.add_argument("--speculative-model",
+                   help="checkpoint directory of the draft model or EAGLE head")
+    g.add_argument("--prompt-lookup-min", type=int,
+                   help="ngram: shortest context suffix to match (default 1)")
+    g.add_argument("--prompt-lookup-max", type=int,
+                   help="ngram: longest context suffix to match (default 4)")
     g.add_argument("--device", help="auto (default), cpu or cuda[:N]")
     g.add_argument("--attention-backend", help="force a backend by name (see `hitchllm backends`)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
@@ -63,10 +74,12 @@ def add_engine_args(
 
 
 ENGINE_FLAGS = ["tokenizer", "dtype", "kv_cache_dtype", "calculate_kv_scales", "quantization",
-                "device", "attention_backend", "block_size", "num_kv_blocks", "kv_cache_memory",
-                "gpu_memory_utilization", "max_model_len", "max_num_seqs",
-                "max_num_batched_tokens", "enable_prefix_caching", "scheduling_policy", "seed",
-                "enforce_eager", "enable_fusion", "async_scheduling", *VLLM_ARGS_NOT_SUPPORTED]
+                "speculative_method", "num_speculative_tokens", "speculative_model",
+                "prompt_lookup_min", "prompt_lookup_max", "device", "attention_backend",
+                "block_size", "num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization",
+                "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                "enable_prefix_caching", "scheduling_policy", "seed", "enforce_eager",
+                "enable_fusion", "async_scheduling", *VLLM_ARGS_NOT_SUPPORTED]
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

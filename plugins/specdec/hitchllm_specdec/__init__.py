@@ -1,0 +1,1 @@
+"""hitchllm-specdec: speculative-decoding proposers for hitchllm."""

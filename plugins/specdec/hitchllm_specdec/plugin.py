@@ -1,0 +1,26 @@
+"""The plugin's hook: the proposers it provides, imported when an engine asks for one."""
+
+from __future__ import annotations
+
+import importlib
+
+from hitchllm import hookimpl
+from hitchllm.speculative import Proposer
+
+# method name -> "module:class" inside this package; imported lazily so that loading the
+# plugin (every engine start) imports no proposer's dependencies.
+PROPOSERS = {
+    "ngram": "ngram:NgramProposer",
+}
+
+
+def load_proposer(name: str) -> type[Proposer]:
+    """The proposer class registered under ``name``."""
+    module, cls = PROPOSERS[name].split(":")
+    return getattr(importlib.import_module(f"hitchllm_specdec.{module}"), cls)
+
+
+@hookimpl
+def hitchllm_speculative_proposers() -> dict[str, type[Proposer]]:
+    """``ngram``: prompt lookup; more methods as they land."""
+    return {name: load_proposer(name) for name in PROPOSERS}
