@@ -81,6 +81,10 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    # Speculative decoding (see ``SchedulerStats``); all 0 without a proposer.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
 
 class LLMEngine:
@@ -556,4 +560,7 @@ class LLMEngine:
             num_preemptions=s.stats.num_preemptions,
             prefix_cache_queries=self.kv_cache.prefix_cache_queries,
             prefix_cache_hits=self.kv_cache.prefix_cache_hits,
+            spec_decode_num_drafts=s.stats.num_spec_drafts,
+            spec_decode_num_draft_tokens=s.stats.num_spec_draft_tokens,
+            spec_decode_num_accepted_tokens=s.stats.num_spec_accepted_tokens,
         )

@@ -22,10 +22,14 @@ import time
 from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from hitchllm.entrypoints.machine import describe_machine
+
+if TYPE_CHECKING:
+    from hitchllm.engine.llm_engine import EngineStats
 
 
 @dataclass
@@ -103,15 +107,17 @@ def make_workload(args: argparse.Namespace, vocab_size: int, max_model_len: int)
 
 
 def run_hitchllm(llm, work: Workload, profile: Path | None, repeat: int = 1,
-                 progress: bool = False) -> float:
+                 progress: bool = False) -> tuple[float, str | None]:
     """Seconds of the fastest of ``repeat`` timed runs (the prefix cache is emptied before
-    each, so no run reuses another's prompts)."""
+    each, so no run reuses another's prompts), and with speculative decoding a summary of
+    the timed runs' drafts (``spec_decode_summary``)."""
     from hitchllm.sampling_params import SamplingParams
 
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
               for n in work.output_lens]
     prompts = [{"prompt_token_ids": p} for p in work.prompts]
     llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    before = llm.engine.stats()
     times = []
     for _ in range(repeat):
         llm.engine.kv_cache.reset_prefix_cache()
@@ -128,7 +134,22 @@ def run_hitchllm(llm, work: Workload, profile: Path | None, repeat: int = 1,
         produced = sum(len(o.outputs[0].token_ids) for o in outs)
         if produced != work.output_tokens:
             raise RuntimeError(f"expected {work.output_tokens} output tokens, got {produced}")
-    return min(times)
+    return min(times), spec_decode_summary(before, llm.engine.stats())
+
+
+def spec_decode_summary(before: EngineStats, after: EngineStats) -> str | None:
+    """One line on the drafts verified between two snapshots (None when there were none):
+    acceptance rate, mean accepted length per step (accepted drafts plus the token every
+    step samples) and draft tokens per step, a step meaning one request's verification."""
+    drafts = after.spec_decode_num_drafts - before.spec_decode_num_drafts
+    if not drafts:
+        return None
+    proposed = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    return (f"spec_decode: acceptance_rate={accepted / proposed:.3f} "
+            f"mean_accepted_length={1 + accepted / drafts:.2f} "
+            f"draft_tokens_per_step={proposed / drafts:.2f} (drafts={drafts} "
+            f"draft_tokens={proposed} accepted_tokens={accepted})")
 
 
 def run_hf(model_path: str, work: Workload, dtype: torch.dtype, device: torch.device,
@@ -192,7 +213,7 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
     llm = LLM(args.model, **engine_kwargs)
     engine = llm.engine
     work = make_workload(args, engine.model_config.vocab_size, engine.max_model_len)
-    ours = run_hitchllm(llm, work, args.profile, args.repeat, progress)
+    ours, spec_summary = run_hitchllm(llm, work, args.profile, args.repeat, progress)
     dtype, device = engine.dtype, engine.device
     described = (f"{str(dtype).removeprefix('torch.')}, backend {engine.attention_backend.name}"
                  + (", enforce_eager" if engine.config.enforce_eager else ""))
@@ -207,6 +228,8 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
         hf = run_hf(args.model, work, dtype, device, args.hf_batch_size, args.repeat, progress)
         lines.append(_row("HF generate", work, hf))
         ratio = hf / ours
+    if spec_summary is not None:
+        lines += ["", spec_summary]
     print("\n".join(lines))
     if ratio is not None:
         print(f"ratio_vs_hf={ratio:.2f}")

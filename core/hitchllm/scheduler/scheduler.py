@@ -53,6 +53,11 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_running: int = 0
     num_waiting: int = 0
+    # Speculative decoding: verifications of a request's drafts (one per request and step
+    # that had drafts), the draft tokens verified, and those accepted.
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
 
 
 class Scheduler:
@@ -295,6 +300,11 @@ class Scheduler:
             tokens = sampled.get(request.request_id)
             if request.finished or not tokens:
                 continue
+            drafts = plan.draft_token_ids.get(request.request_id)
+            if drafts:
+                self.stats.num_spec_drafts += 1
+                self.stats.num_spec_draft_tokens += len(drafts)
+                self.stats.num_spec_accepted_tokens += len(tokens) - 1
             if request.status == RequestStatus.RUNNING:
                 # Rejected drafts were computed but are not part of the sequence: their K/V
                 # will be overwritten. ``tokens`` holds the accepted drafts plus one new token.

@@ -50,6 +50,12 @@ class ServerMetrics:
         self.prefix_queries = counter("prefix_cache_queries",
                                       "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        # Speculative decoding; acceptance rate = accepted / draft tokens, mean accepted
+        # length per step = 1 + accepted / drafts, draft tokens per step = draft tokens / drafts.
+        self.spec_drafts = counter("spec_decode_num_drafts",
+                                   "Draft verifications (one per request and step with drafts).")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self.request_success = counter("request_success", "Requests finished, by reason.",
                                        ("finished_reason",))
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
@@ -59,10 +65,11 @@ class ServerMetrics:
         # Create every label child now so each metric is exported (as 0) from the start.
         for metric in (self.running, self.waiting, self.kv_usage, self.prompt_tokens,
                        self.generation_tokens, self.preemptions, self.prefix_queries,
-                       self.prefix_hits, self.ttft, self.itl, self.e2e):
+                       self.prefix_hits, self.spec_drafts, self.spec_draft_tokens,
+                       self.spec_accepted, self.ttft, self.itl, self.e2e):
             metric.labels(model_name)
         self._timing: dict[str, _RequestTiming] = {}
-        self._last_totals = (0, 0, 0)
+        self._last_totals = (0,) * 6
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -74,9 +81,12 @@ class ServerMetrics:
         self.running.labels(m).set(stats.num_running)
         self.waiting.labels(m).set(stats.num_waiting)
         self.kv_usage.labels(m).set(stats.kv_cache_usage)
-        totals = (stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits)
+        totals = (stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits,
+                  stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens,
+                  stats.spec_decode_num_accepted_tokens)
         for metric, new, old in zip(
-            (self.preemptions, self.prefix_queries, self.prefix_hits), totals, self._last_totals
+            (self.preemptions, self.prefix_queries, self.prefix_hits, self.spec_drafts,
+             self.spec_draft_tokens, self.spec_accepted), totals, self._last_totals, strict=True
         ):
             if new > old:
                 metric.labels(m).inc(new - old)
