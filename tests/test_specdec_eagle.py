@@ -236,3 +236,18 @@ def test_eagle_needs_a_head_checkpoint(tiny_models, tmp_path):
     # A target model directory is not a head.
     with pytest.raises(ValueError, match="does not describe an EAGLE head"):
         LLM(path, speculative_method="eagle", num_speculative_tokens=2, speculative_model=path)
+
+
+@pytest.mark.gpu
+def test_greedy_output_equals_non_speculative_on_cuda(tiny_models, head_path, workload,
+                                                      recorded):
+    """The head runs on the engine's device (drafts verified by the CUDA graphs' runner)."""
+    prompts, params, _ = workload
+    kwargs = dict(device="cuda", dtype="float32", block_size=16)
+    base = LLM(tiny_models[ARCH], **kwargs).generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm = LLM(tiny_models[ARCH], speculative_method="eagle", num_speculative_tokens=3,
+              speculative_model=head_path, **kwargs)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [_summary(o) for o in outs] == [_summary(o) for o in base]
+    assert recorded and all(h.device.type == "cuda" for _, h, _ in recorded)

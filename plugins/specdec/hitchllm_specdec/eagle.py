@@ -27,6 +27,7 @@ gets drafts sampled from ``softmax(logits / T)`` with those probabilities.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +73,8 @@ class EagleProposer(Proposer):
         self.path = engine_config.speculative_model
         self.head_config = read_head_config(self.path)
         self.head: EagleHead | None = None
+        # The target's LM head (its compute_logits), shared with the head.
+        self.compute_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.caches: OrderedDict[str, HeadCache] = OrderedDict()
         self.max_cached_requests = 2 * engine_config.max_num_seqs
         self.generator: torch.Generator | None = None
@@ -101,7 +104,8 @@ class EagleProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, batch: ProposalBatch) -> Proposal:
-        assert self.head is not None and batch.hidden_states is not None
+        assert self.head is not None and self.compute_logits is not None
+        assert batch.hidden_states is not None
         requests = batch.requests
         device = batch.hidden_states.device
         caches = [self._cache_of(r) for r in requests]
