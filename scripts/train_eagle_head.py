@@ -19,9 +19,11 @@ its output ``g[t]`` against the target's own distribution at ``t+1`` (what it wo
 next: acceptance rewards agreeing with the target, not with the corpus), plus
 ``--feature-weight`` times a smooth L1 regression of ``g[t]`` on ``h[t+1]`` (the draft loop
 feeds ``g`` back in place of ``h``).
-``--feature-noise`` adds uniform noise to the input ``h`` (robustness to the head's own, less
-exact features at later draft steps). Training stops after ``--steps`` steps or ``--minutes``
-minutes, whichever comes first.
+A ``--short-context`` fraction of the windows hide from each position the keys before a random
+start: the proposer's head has no entries for prompt positions, so at drafting time its context
+starts where decoding started. ``--feature-noise`` adds uniform noise to the input ``h``
+(robustness to the head's own, less exact features at later draft steps). Training stops after
+``--steps`` steps or ``--minutes`` minutes, whichever comes first.
 
 The script prints and records on the held-out windows how often the first draft is the
 target's argmax (the greedy acceptance of a first draft, with teacher-forced context), and
@@ -70,6 +72,7 @@ class HeadTrainConfig:
     weight_decay: float = 0.0
     feature_weight: float = 1.0
     feature_noise: float = 0.0
+    short_context: float = 0.5
     intermediate_size: int = 0  # 0: the target's
     held_out_percent: float = 5.0
     seed: int = 0
@@ -93,8 +96,8 @@ class Features:
         return cls(ids, hidden)
 
 
-def head_outputs(head: EagleHead, ids: torch.Tensor, hidden: torch.Tensor,
-                 noise: float = 0.0) -> torch.Tensor:
+def head_outputs(head: EagleHead, ids: torch.Tensor, hidden: torch.Tensor, noise: float,
+                 first_visible: torch.Tensor | None) -> torch.Tensor:
     """``g[t]`` for t = 0 .. T-3 of each window: the head's guess of ``h[t+1]``."""
     batch, length = ids.shape
     inputs = hidden[:, : length - 2]
@@ -102,17 +105,18 @@ def head_outputs(head: EagleHead, ids: torch.Tensor, hidden: torch.Tensor,
         inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * noise
     positions = torch.arange(length - 2).repeat(batch)
     out = head(ids[:, 1 : length - 1].reshape(-1), inputs.reshape(-1, inputs.shape[-1]),
-               positions, CausalSequences(batch))
+               positions, CausalSequences(batch, first_visible))
     return out.view(batch, length - 2, -1)
 
 
 def losses(head: EagleHead, lm_head: torch.Tensor, ids: torch.Tensor, hidden: torch.Tensor,
-           noise: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           noise: float = 0.0, first_visible: torch.Tensor | None = None,
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(cross-entropy against the target's own next-token distribution, smooth L1 on
     features, how often the head's argmax is the target's) over every position. Distilling
     the target, not the corpus, is what acceptance rewards: a draft is accepted when the
     target would have produced it."""
-    g = head_outputs(head, ids, hidden, noise)
+    g = head_outputs(head, ids, hidden, noise, first_visible)
     logits = g @ lm_head.T
     with torch.no_grad():
         target_logits = hidden[:, 1:-1] @ lm_head.T
@@ -131,11 +135,15 @@ def learning_rate(step: int, cfg: HeadTrainConfig, total: int) -> float:
 
 def evaluate(head: EagleHead, lm_head: torch.Tensor, data: Features) -> dict[str, float]:
     """Held-out losses and ``draft_is_target_argmax``: how often the first draft would be
-    accepted by a greedy target (teacher-forced context)."""
+    accepted by a greedy target (teacher-forced context); ``..._from_midpoint``: the same when
+    the head sees nothing before the middle of the window, as when decoding starts there."""
     with torch.no_grad():
-        ce, reg, hits = losses(head, lm_head, data.ids, data.hidden, 0.0)
+        ce, reg, hits = losses(head, lm_head, data.ids, data.hidden)
+        middle = torch.full((len(data.ids),), data.ids.shape[1] // 2)
+        short_hits = losses(head, lm_head, data.ids, data.hidden, 0.0, middle)[2]
     return {"cross_entropy": round(float(ce), 4), "feature_l1": round(float(reg), 5),
-            "draft_is_target_argmax": round(float(hits), 4)}
+            "draft_is_target_argmax": round(float(hits), 4),
+            "draft_is_target_argmax_from_midpoint": round(float(short_hits), 4)}
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, HeadTrainConfig]:
@@ -196,8 +204,11 @@ def main(argv: list[str] | None = None) -> int:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, cfg, cfg.steps)
         rows = torch.randint(0, cfg.windows, (cfg.batch_size,), generator=gen)
+        # Some windows see only what follows a random start (see CausalSequences).
+        first_visible = torch.randint(0, cfg.seq_len - 2, (cfg.batch_size,), generator=gen)
+        first_visible *= torch.rand(cfg.batch_size, generator=gen) < cfg.short_context
         ce, reg, hits = losses(head, lm_head, train.ids[rows], train.hidden[rows],
-                               cfg.feature_noise)
+                               cfg.feature_noise, first_visible)
         loss = ce + cfg.feature_weight * reg
         ce, reg, hits = ce.detach(), reg.detach(), hits.detach()
         optimizer.zero_grad(set_to_none=True)

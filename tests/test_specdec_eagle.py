@@ -251,3 +251,22 @@ def test_greedy_output_equals_non_speculative_on_cuda(tiny_models, head_path, wo
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [_summary(o) for o in outs] == [_summary(o) for o in base]
     assert recorded and all(h.device.type == "cuda" for _, h, _ in recorded)
+
+
+def test_head_cache_rolls_back_rejected_drafts():
+    """Entries whose input token was a rejected draft go, and so does the entry at the
+    position whose target hidden state has just arrived; a reused request id starts over."""
+    from hitchllm_specdec.eagle import HeadCache
+
+    kv = torch.arange(5.0).view(5, 1, 1)
+    # Newest token 11 at index 3 (its hidden state from position 2), drafts 12, 13, 14: the
+    # entries at positions 2..5 were fed 11, 12, 13, 14.
+    cache = HeadCache([0, 1, 2, 3, 4], [1, 10, 11, 12, 13], kv, kv.clone(), num_checked=2)
+    # 12 accepted, 99 sampled instead of 13: keep positions 0..3, recompute from 4.
+    cache.roll_back([0, 1, 10, 11, 12, 99], first_recomputed=4)
+    assert cache.positions == [0, 1, 2, 3] and cache.tokens == [1, 10, 11, 12]
+    assert cache.keys.flatten().tolist() == [0, 1, 2, 3] and cache.num_checked == 4
+    cache.roll_back([0, 1, 10, 11, 12, 99, 5], first_recomputed=5)
+    assert cache.positions == [0, 1, 2, 3]
+    cache.roll_back([7, 8, 9, 10, 11, 12, 13], first_recomputed=5)
+    assert cache.positions == [] and len(cache.keys) == 0

@@ -13,8 +13,11 @@ position now has a target hidden state are dropped (rolled back) and that positi
 recomputed from the target's ``h``. Accepted drafts keep the entry computed from the head's own
 ``g`` (the engine hands over the target's hidden state of the newest token only), and the
 prompt positions before the first draft have no entries (prefill hidden states are not kept),
-so the head attends to what it saw since the request started decoding. Cost: one [B, L]
-padded attention per draft step over at most ``max_model_len`` entries per request, memory
+so the head attends to what it saw since the request started decoding (the training script
+trains for that). Cost per ``propose``: the batch's entries are copied into one padded
+[B, L] tensor (L the longest cache, at most ``max_model_len``), then one head forward and one
+LM-head matmul per draft step with a [B, L + step] masked attention; a Python loop over the
+requests gathers and stores their entries (not per token). Memory:
 ``2 * kv_heads * head_dim * L`` values per request; caches of requests not seen for a while
 are evicted (least recently drafted first) beyond ``2 * max_num_seqs`` requests, and an
 evicted request starts over with an empty cache. None of this affects exactness (drafts are
@@ -27,7 +30,7 @@ gets drafts sampled from ``softmax(logits / T)`` with those probabilities.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,23 +42,31 @@ from hitchllm_specdec.eagle_head import CachedRows, EagleHead, build_head, read_
 
 @dataclass
 class HeadCache:
-    """One request's entries of the head's KV cache (positions increasing)."""
+    """One request's entries of the head's KV cache (positions increasing); the first
+    ``num_checked`` survived a roll-back, so their tokens are the sequence's for good."""
 
     positions: list[int]
     tokens: list[int]
     keys: torch.Tensor
     values: torch.Tensor
+    num_checked: int = 0
 
-    def roll_back(self, token_ids: list[int] | tuple[int, ...], first_recomputed: int) -> None:
+    def roll_back(self, token_ids: Sequence[int], first_recomputed: int) -> None:
         """Keep the entries before ``first_recomputed`` whose input token is still the
-        sequence's token after their position."""
-        keep = 0
-        for pos, tok in zip(self.positions, self.tokens, strict=True):
+        sequence's token after their position (only the last step's entries can fail, unless
+        the request id was reused: the first and last checked entries are compared too)."""
+        keep = self.num_checked
+        if keep and any(self.positions[i] + 1 >= len(token_ids)
+                        or token_ids[self.positions[i] + 1] != self.tokens[i]
+                        for i in (0, keep - 1)):
+            keep = 0
+        for pos, tok in zip(self.positions[keep:], self.tokens[keep:], strict=True):
             if pos >= first_recomputed or token_ids[pos + 1] != tok:
                 break
             keep += 1
         del self.positions[keep:], self.tokens[keep:]
         self.keys, self.values = self.keys[:keep], self.values[:keep]
+        self.num_checked = keep
 
 
 class EagleProposer(Proposer):

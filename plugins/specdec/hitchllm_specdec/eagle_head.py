@@ -52,17 +52,30 @@ class AttentionContext(Protocol):
 
 @dataclass
 class CausalSequences:
-    """``batch`` equal-length sequences packed row-major: causal attention within each."""
+    """``batch`` equal-length sequences packed row-major: causal attention within each.
+
+    ``first_visible`` [batch] (optional) hides, from the positions at or after it, the keys
+    before it: training then sees what drafting sees, a context that starts where decoding
+    started (the proposer has no head entries for the prompt)."""
 
     batch: int
+    first_visible: torch.Tensor | None = None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         def split(x: torch.Tensor) -> torch.Tensor:
             return x.view(self.batch, -1, *x.shape[1:]).transpose(1, 2)
 
-        out = F.scaled_dot_product_attention(split(q), split(k), split(v), is_causal=True,
-                                             enable_gqa=True)
-        return out.transpose(1, 2).reshape(q.shape)
+        q, k, v = split(q), split(k), split(v)
+        if self.first_visible is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            pos = torch.arange(q.shape[2], device=q.device)
+            start = self.first_visible.view(-1, 1, 1)
+            mask = (pos[None, None, :] <= pos[None, :, None]) & (
+                (pos[None, None, :] >= start) | (pos[None, :, None] < start))
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None],
+                                                 enable_gqa=True)
+        return out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3])
 
 
 @dataclass
