@@ -16,6 +16,7 @@ last column checks that every output equals the one without speculation.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import sysconfig
 import time
@@ -87,6 +88,17 @@ def count_proposed(llm: LLM) -> list[int]:
     return counter
 
 
+def describe_head(head: Path) -> str:
+    """How the head was trained, from its train_run.json when it has one."""
+    run_file = head / "train_run.json"
+    if not run_file.is_file():
+        return f"head {head}"
+    run = json.loads(run_file.read_text())
+    return (f"head: `{run['command']}`, {run['steps_run']} steps in {run['train_seconds']:.0f}s "
+            f"on {run['threads']} threads, held-out first draft = target argmax "
+            f"{run['held_out']['draft_is_target_argmax']:.1%}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--head", required=True, help="EAGLE head directory")
@@ -128,7 +140,7 @@ def main() -> None:
         print(rows[-1], flush=True)
     if args.results:
         note = (f"({len(prompts)} held-out prompts of {args.prompt_tokens} tokens, "
-                f"{args.max_tokens} new tokens each, head {args.head})")
+                f"{args.max_tokens} new tokens each; {describe_head(Path(args.head))})")
         lines = [*entry_heading("EAGLE head vs no speculation, bundled model, batch 1",
                                 "python benchmarks/specdec_eagle_cpu.py", note), HEADER, *rows]
         append_results(args.results, lines, SECTION, ABOUT)
