@@ -24,7 +24,9 @@ evicted request starts over with an empty cache. None of this affects exactness 
 verified by the core), only acceptance.
 
 Greedy requests get the head's argmax and no ``probs``; a request with temperature ``T > 0``
-gets drafts sampled from ``softmax(logits / T)`` with those probabilities.
+gets drafts sampled from ``softmax(logits / T)`` with those probabilities. The drafts are drawn
+from one generator seeded with the engine's ``seed``, so a seeded request's output depends on
+the drafts, hence on what else ran in the engine before it (the output distribution does not).
 """
 
 from __future__ import annotations
@@ -126,6 +128,7 @@ class EagleProposer(Proposer):
         tokens = torch.tensor([r.token_ids[-1] for r in requests], device=device)
         temperature = torch.tensor([r.temperature for r in requests], device=device)
         sampled_rows = temperature > 0
+        any_sampled = any(r.temperature > 0 for r in requests)  # (no device read)
         hidden = batch.hidden_states.to(next(self.head.parameters()).dtype)
         max_position = self.head_config.max_position_embeddings - 1
         num_steps = max(r.max_num_drafts for r in requests)
@@ -137,7 +140,7 @@ class EagleProposer(Proposer):
             hidden = self.head(tokens, hidden, step_positions, context)
             logits = self.compute_logits(hidden).float()
             tokens = logits.argmax(dim=-1)
-            if bool(sampled_rows.any()):
+            if any_sampled:
                 q = torch.softmax(logits / temperature.clamp(min=1e-5)[:, None], dim=-1)
                 drawn = torch.multinomial(q, 1, generator=self.generator)[:, 0]
                 tokens = torch.where(sampled_rows, drawn, tokens)
