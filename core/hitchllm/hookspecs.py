@@ -101,16 +101,18 @@ def hitchllm_speculative_proposers() -> dict[str, type[Proposer]]:
 
     Called once per engine when ``speculative_method=NAME`` is requested. A proposer class
     subclasses ``hitchllm.speculative.Proposer`` and is constructed as ``cls(engine_config)``
-    (``engine_config.num_speculative_tokens`` says how many drafts to make). After each step
-    its ``propose(batch: ProposalBatch) -> Proposal`` is called with the requests that sampled
-    a token in that step and keep decoding: each one's id, token ids (prompt then output) and
-    the most drafts it may use, and, when the class sets ``needs_hidden_states = True``, the
-    target model's final hidden states at the positions that produced the newest tokens. The
-    returned ``Draft`` per request id holds draft token ids and optionally ``probs``, the
-    ``[k, vocab_size]`` distribution they were sampled from. The next step computes
-    ``1 + len(drafts)`` tokens for the request and the core verifies the drafts by rejection
-    sampling (with ``probs`` when given), so the output distribution is the target model's
-    whatever the drafts are; ``probs`` raise the acceptance rate of sampled drafts.
+    (``engine_config.num_speculative_tokens`` says how many drafts to make), then given the
+    loaded target model once through ``bind_target_model(model)``. After each step its
+    ``propose(batch: ProposalBatch) -> Proposal`` is called with the requests that sampled a
+    token in that step and keep decoding: each one's id, token ids (prompt then output), the
+    most drafts it may use and its temperature, and, when the class sets
+    ``needs_hidden_states = True``, the target model's final hidden states at the positions
+    that produced the newest tokens. The returned ``Draft`` per request id holds draft token
+    ids and optionally ``probs``, the ``[k, vocab_size]`` distribution they were sampled from.
+    The next step computes ``1 + len(drafts)`` tokens for the request and the core verifies the
+    drafts by rejection sampling (with ``probs`` when given), so the output distribution is the
+    target model's whatever the drafts are; ``probs`` raise the acceptance rate of sampled
+    drafts.
     """
 
 

@@ -53,6 +53,9 @@ class DraftRequest:
     # stays within max_tokens and max_model_len; at least 1 (a request that may take no
     # drafts is not asked).
     max_num_drafts: int
+    # The request's sampling temperature; 0 for a greedy request, which accepts only the
+    # target's argmax, so a model-based proposer drafts its own argmax there (no probs).
+    temperature: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,12 @@ class Proposer(ABC):
 
     def __init__(self, engine_config: EngineConfig) -> None:
         self.engine_config = engine_config
+
+    def bind_target_model(self, model: torch.nn.Module) -> None:  # noqa: B027 (optional hook)
+        """Called once by the engine right after construction, with the target model (weights
+        loaded, on the engine's device) and before any ``propose``. A proposer that shares the
+        target's layers (an EAGLE head uses its embedding and LM head) keeps them here and
+        raises ``ValueError`` when it cannot work with this target. Does nothing by default."""
 
     @abstractmethod
     def propose(self, batch: ProposalBatch) -> Proposal:

@@ -59,7 +59,8 @@ class Drafter:
                 hidden = hidden[index]
         batch = ProposalBatch(
             [
-                DraftRequest(r.request_id, r.all_token_ids, r.num_prompt_tokens, limit)
+                DraftRequest(r.request_id, r.all_token_ids, r.num_prompt_tokens, limit,
+                             0.0 if r.sampling_params.greedy else r.sampling_params.temperature)
                 for r, limit in zip(decoding, limits, strict=True)
             ],
             hidden,

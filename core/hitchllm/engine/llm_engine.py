@@ -142,7 +142,7 @@ class LLMEngine:
                 eos_token_ids=self.eos_token_ids)
             for processor in result or []
         ]
-        self.proposer = self._build_proposer()
+        self.proposer = self._build_proposer(model)
         runner = ModelRunner(
             model, self.attention_backend, spec, config.max_num_seqs, max_num_tokens,
             self.max_model_len, mc.vocab_size, self.device, config.seed,
@@ -255,7 +255,7 @@ class LLMEngine:
             )
         return int(num_blocks)
 
-    def _build_proposer(self) -> Proposer | None:
+    def _build_proposer(self, model: torch.nn.Module) -> Proposer | None:
         name = self.config.speculative_method
         if name is None:
             return None
@@ -273,7 +273,9 @@ class LLMEngine:
             raise TypeError(
                 f"speculative method {name!r} maps to {cls!r}, which is not a subclass of "
                 "hitchllm.speculative.Proposer; its plugin predates the proposer protocol")
-        return cls(self.config)
+        proposer = cls(self.config)
+        proposer.bind_target_model(model)
+        return proposer
 
     def _block_hash_extra_keys(self, request: Request) -> tuple:
         results = self.registry.hook.hitchllm_block_hash_extra_keys(request=request)

@@ -11,6 +11,7 @@ from hitchllm.speculative import Proposer
 # plugin (every engine start) imports no proposer's dependencies.
 PROPOSERS = {
     "ngram": "ngram:NgramProposer",
+    "eagle": "eagle:EagleProposer",
 }
 
 
@@ -22,5 +23,5 @@ def load_proposer(name: str) -> type[Proposer]:
 
 @hookimpl
 def hitchllm_speculative_proposers() -> dict[str, type[Proposer]]:
-    """``ngram``: prompt lookup; more methods as they land."""
+    """``ngram``: prompt lookup; ``eagle``: an EAGLE-style head (``speculative_model``)."""
     return {name: load_proposer(name) for name in PROPOSERS}
