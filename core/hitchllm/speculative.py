@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     import torch
 
     from hitchllm.config import EngineConfig
+    from hitchllm.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,9 @@ class DraftRequest:
     # stays within max_tokens and max_model_len; at least 1 (a request that may take no
     # drafts is not asked).
     max_num_drafts: int
+    # The request's sampling parameters, for a proposer that samples its drafts the way the
+    # target samples (temperature, top-k / top-p / min-p, seed). Read-only, like token_ids.
+    sampling_params: SamplingParams | None = None
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,11 @@ class Proposer(ABC):
 
     def __init__(self, engine_config: EngineConfig) -> None:
         self.engine_config = engine_config
+
+    def remove_requests(self, request_ids: list[str]) -> None:  # noqa: B027 (optional hook)
+        """Forget requests that finished (stopped, aborted or failed). The engine calls this as
+        they finish, before their ids can be reused, so a proposer that keeps per-request state
+        (a draft model's KV-cache blocks) frees it here. Does nothing by default."""
 
     @abstractmethod
     def propose(self, batch: ProposalBatch) -> Proposal:

@@ -59,7 +59,8 @@ class Drafter:
                 hidden = hidden[index]
         batch = ProposalBatch(
             [
-                DraftRequest(r.request_id, r.all_token_ids, r.num_prompt_tokens, limit)
+                DraftRequest(r.request_id, r.all_token_ids, r.num_prompt_tokens, limit,
+                             r.sampling_params)
                 for r, limit in zip(decoding, limits, strict=True)
             ],
             hidden,

@@ -11,6 +11,7 @@ from hitchllm.speculative import Proposer
 # plugin (every engine start) imports no proposer's dependencies.
 PROPOSERS = {
     "ngram": "ngram:NgramProposer",
+    "draft_model": "draft_model:DraftModelProposer",
 }
 
 
