@@ -1,8 +1,11 @@
-"""Start-up checks of a draft model checkpoint against the target: it must exist, share the
-target's vocabulary, and reach the engine's ``max_model_len``."""
+"""Start-up checks of a draft model checkpoint against the target (it must exist, share the
+target's vocabulary, and reach the engine's ``max_model_len``), and a writer of drafts cut
+from the target's own first layers."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 from hitchllm.config import EngineConfig, ModelConfig
@@ -62,3 +65,40 @@ def _tokenizer_vocabulary(path: str) -> dict[str, int] | None:
     from transformers import AutoTokenizer
 
     return dict(AutoTokenizer.from_pretrained(path).get_vocab())
+
+
+def write_truncated_checkpoint(source: str | Path, destination: str | Path,
+                               num_layers: int) -> Path:
+    """Write a draft made of ``source``'s first ``num_layers`` decoder layers (with its
+    embedding, final norm and LM head; tokenizer files copied) to ``destination``.
+
+    Such a draft shares the target's vocabulary and often agrees with it, which makes it a
+    draft "of another size" for tests and benchmarks where no smaller trained model of the
+    family exists. Weights are read with the core's ``iterate_weights`` (any shard layout)
+    and written as one ``model.safetensors``.
+    """
+    from safetensors.torch import save_file
+
+    from hitchllm.models.loader import iterate_weights, weight_files
+
+    source, destination = Path(source), Path(destination)
+    destination.mkdir(parents=True, exist_ok=True)
+    skipped = set(weight_files(source)) | {source / "config.json"}
+    for file in source.iterdir():
+        if file.is_file() and file not in skipped and not file.name.endswith(".index.json"):
+            shutil.copy(file, destination / file.name)
+    config = json.loads((source / "config.json").read_text())
+    if not 0 < num_layers <= config["num_hidden_layers"]:
+        raise ValueError(f"num_layers={num_layers} is not in 1..{config['num_hidden_layers']}")
+    config["num_hidden_layers"] = num_layers
+    (destination / "config.json").write_text(json.dumps(config, indent=2))
+    kept = {name: tensor.contiguous() for name, tensor in iterate_weights(source)
+            if _layer_index(name) is None or _layer_index(name) < num_layers}
+    save_file(kept, str(destination / "model.safetensors"))
+    return destination
+
+
+def _layer_index(name: str) -> int | None:
+    """The decoder layer a weight belongs to (``model.layers.3.mlp...`` -> 3), or None."""
+    _, found, rest = name.partition(".layers.")
+    return int(rest.split(".", 1)[0]) if found and rest.split(".", 1)[0].isdigit() else None
