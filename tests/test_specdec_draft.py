@@ -358,17 +358,24 @@ def test_no_draft_blocks_leak_after_finish_or_abort(llama_path, small_draft):
 
 
 @pytest.mark.gpu
-def test_gpu_draft_steps_from_cuda_graphs_match_eager(llama_path, small_draft):
-    """On CUDA the draft steps replay captured graphs: same output as an eager draft and as
-    no speculation (float32, so the verify pass's batch shape flips no argmax)."""
-    prompts = mixed_prompts(9, lengths=(3, 17, 30, 9, 1, 25))
-    base = run(LLM(llama_path, device="cuda", dtype="float32", block_size=16), prompts)
-    graphs = speculative(llama_path, small_draft, k=4, device="cuda", dtype="float32")
-    assert graphs.engine.proposer.runner.graphs.captured
-    eager = speculative(llama_path, small_draft, k=4, device="cuda", dtype="float32",
-                        enforce_eager=True)
-    assert run(graphs, prompts) == base == run(eager, prompts)
-    self_draft = speculative(llama_path, llama_path, k=4, device="cuda", dtype="float32")
-    assert run(self_draft, prompts) == base
-    assert self_draft.engine.proposer.cache.stats.acceptance_rate > 0.95
-    assert_no_draft_blocks_held(graphs)
+def test_gpu_draft_steps_replay_cuda_graphs(bundled_half):
+    """On CUDA (TRITON_ATTN, bfloat16) the draft steps replay captured graphs; the bundled
+    model drafting for itself or with its half-depth draft generates what it generates
+    without speculation, and self-drafting is accepted."""
+    path = default_model_path()
+    gpu = dict(device="cuda", attention_backend="TRITON_ATTN", gpu_memory_utilization=0.3)
+    prompts = ["def add(a, b):\n", "import os\nimport sys\n", "class Engine:\n    def step",
+               "for i in range(10):\n"]
+    params = SamplingParams(temperature=0, max_tokens=32)
+
+    def generate(llm: LLM) -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    base = generate(LLM(path, **gpu))
+    for draft in (path, bundled_half):
+        llm = speculative(path, draft, k=4, **gpu)
+        assert llm.engine.proposer.runner.graphs.captured
+        assert generate(llm) == base
+        if draft == path:
+            assert llm.engine.proposer.cache.stats.acceptance_rate > 0.9
+        assert_no_draft_blocks_held(llm)
