@@ -113,6 +113,9 @@ class DraftRunner:
         b.positions.np[:num_tokens] = positions
         blocks = block_table[token_req, positions // self.block_size].astype(np.int64)
         b.slot_mapping.np[:num_tokens] = blocks * self.block_size + positions % self.block_size
+        # The columns this batch's contexts reach, as the target's runner passes them.
+        num_cols = -(-int((num_computed + query_lens).max()) // self.block_size)
+        block_table = block_table[:, :num_cols]
         graph_size = None
         if self.graphs is not None and num_tokens == n:
             graph_size = self.graphs.padded_size(n)
