@@ -60,12 +60,15 @@ def batch_params(batch, request_id: str) -> SamplingParams:
     return next(r.sampling_params for r in batch.requests if r.request_id == request_id)
 
 
-def test_self_drafting_is_exact_and_accepted(llama_path):
+@pytest.mark.parametrize("feed_last_draft", [False, True])
+def test_self_drafting_is_exact_and_accepted(llama_path, feed_last_draft):
     """The target drafting for itself: greedy output equals non-speculative decoding and
-    (almost) every draft is accepted, so a step emits about K + 1 tokens."""
+    (almost) every draft is accepted, so a step emits about K + 1 tokens. (With
+    ``feed_last_draft``, as with CUDA graphs, the last draft is cached too.)"""
     prompts = mixed_prompts(2, lengths=(3, 17, 30, 9))
     baseline = run(LLM(llama_path, block_size=4), prompts)
     llm = speculative(llama_path, llama_path, k=3, block_size=4)
+    llm.engine.proposer.feed_last_draft = feed_last_draft
     steps = 0
     for p in prompts:
         llm.engine.add_request({"prompt_token_ids": p}, greedy())
@@ -97,9 +100,12 @@ def test_bundled_model_drafting_for_itself_is_accepted():
     assert llm.engine.proposer.cache.stats.acceptance_rate > 0.95
 
 
-def test_drafts_after_rejections_equal_drafts_from_a_fresh_cache(llama_path, small_draft):
+@pytest.mark.parametrize("feed_last_draft", [False, True])
+def test_drafts_after_rejections_equal_drafts_from_a_fresh_cache(llama_path, small_draft,
+                                                                 feed_last_draft):
     """Rolling back: whatever the target accepted, the next drafts are those of a draft cache
-    computed from scratch for the same sequence (rejected drafts' K/V never leaks in)."""
+    computed from scratch for the same sequence (rejected drafts' K/V never leaks in), also
+    when the last draft is cached too (``feed_last_draft``, as with CUDA graphs)."""
     from hitchllm_specdec.draft_model import DraftModelProposer
 
     from hitchllm.config import EngineConfig
@@ -108,6 +114,7 @@ def test_drafts_after_rejections_equal_drafts_from_a_fresh_cache(llama_path, sma
     config = EngineConfig(model=llama_path, speculative_method="draft_model",
                           speculative_model=small_draft, num_speculative_tokens=4, block_size=4)
     kept, fresh = DraftModelProposer(config), DraftModelProposer(config)
+    kept.feed_last_draft = fresh.feed_last_draft = feed_last_draft
     logits: dict[DraftModelProposer, list[torch.Tensor]] = {kept: [], fresh: []}
     for proposer in (kept, fresh):
         forward = proposer.runner.forward
@@ -122,7 +129,7 @@ def test_drafts_after_rejections_equal_drafts_from_a_fresh_cache(llama_path, sma
         drafts = kept.propose(batch).drafts
         assert drafts == fresh.propose(batch).drafts
         # Not only the argmax: the draft's distributions match at every draft step.
-        assert len(logits[kept]) == len(logits[fresh]) == 4
+        assert len(logits[kept]) == len(logits[fresh]) == 4 + feed_last_draft
         for a, b in zip(logits[kept], logits[fresh]):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
         logits[kept].clear()

@@ -93,7 +93,7 @@ class DraftKVCache:
                 accepted += 1
             self.stats.num_drafts += len(state.drafts)
             self.stats.num_accepted += accepted
-            # The fed drafts are drafts[:-1]; those the target accepted keep their K/V.
+            # Drafts fed back (all but the last, or all) keep their K/V where accepted.
             state.num_computed = min(state.num_computed, state.num_context + accepted)
             state.drafts = []
         state.last_used = self._clock

@@ -21,7 +21,8 @@ Each step (``propose``), for every request asked:
    ``max_num_batched_tokens``); its last position gives draft 1;
 2. K - 1 draft steps of one token per request, batched, each fed the previous step's samples
    on the device (CUDA graphs when captured); a request that may take fewer drafts
-   (``max_num_drafts``) leaves the batch early;
+   (``max_num_drafts``) leaves the batch early; with CUDA graphs one more step caches the
+   last draft (``feed_last_draft``);
 3. one copy of all drafts to the host.
 """
 
@@ -85,6 +86,11 @@ class DraftModelProposer(Proposer):
         self.cache = DraftKVCache(num_blocks, cfg.block_size)
         if not cfg.enforce_eager:
             self.runner.capture_cuda_graphs()
+        # With graphs, one more replay caches the last draft too: then whatever the target
+        # accepts, the next catch-up is one token per request (uniform, from a graph) instead
+        # of an eager forward of two when every draft was accepted. Eagerly it would cost a
+        # forward per step for a token that is often rejected.
+        self.feed_last_draft = self.runner.graphs is not None and self.runner.graphs.captured
         self.generator = torch.Generator(self.device).manual_seed(cfg.seed)
         logger.info("Draft model %s (%s attention): KV cache of %d blocks of %d tokens",
                     draft.path, backend.name, num_blocks, cfg.block_size)
@@ -119,7 +125,8 @@ class DraftModelProposer(Proposer):
         n = len(requests)
         limits = np.array([r.max_num_drafts for r in requests], dtype=np.int64)
         lengths = np.array([len(r.token_ids) for r in requests], dtype=np.int64)
-        max_cols = -(-int((lengths + limits - 1).max()) // self.cache.block_size)
+        max_cols = -(-int((lengths + limits - 1 + self.feed_last_draft).max())
+                     // self.cache.block_size)
         block_table = np.zeros((n, max_cols), dtype=np.int32)
         for i, state in enumerate(states):
             block_table[i, : len(state.blocks)] = state.block_ids[:max_cols]
@@ -143,12 +150,17 @@ class DraftModelProposer(Proposer):
                 if probs is None:
                     probs = torch.zeros(n, num_steps, self.vocab_size, device=self.device)
                 probs[:active, step] = step_probs
+        if self.feed_last_draft:
+            last = tokens[torch.arange(n, device=self.device),
+                          torch.from_numpy(limits - 1).to(self.device)]
+            self.runner.forward(np.ones(n, dtype=np.int64), lengths + limits - 1, block_table,
+                                device_token_ids=last)
         drafts = tokens.tolist()
         proposal = {}
         for i, (r, state) in enumerate(zip(requests, states, strict=True)):
             ids = drafts[i][: limits[i]]
             state.num_context = int(lengths[i])
-            state.num_computed = state.num_context + len(ids) - 1
+            state.num_computed = state.num_context + len(ids) - 1 + self.feed_last_draft
             state.drafts = ids
             row_probs = None if probs is None or sampling.greedy[i] else probs[i, : len(ids)]
             proposal[r.request_id] = Draft(ids, row_probs)
@@ -168,7 +180,8 @@ class DraftModelProposer(Proposer):
             if state.generator is None and params is not None and params.seed is not None:
                 state.generator = torch.Generator(self.device).manual_seed(params.seed)
             drafts = min(limit, r.max_num_drafts)
-            if self.cache.allocate(state, len(r.token_ids) + drafts - 1, busy):
+            cached = len(r.token_ids) + drafts - 1 + self.feed_last_draft
+            if self.cache.allocate(state, cached, busy):
                 requests.append(DraftRequest(r.request_id, r.token_ids, r.num_prompt_tokens,
                                              drafts, params))
                 states.append(state)
