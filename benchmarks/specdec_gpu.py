@@ -89,6 +89,18 @@ def run_once(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> Timi
     return Timing(1000 * sum(tpots) / len(tpots), tokens / len(prompts) / max(decode_steps, 1))
 
 
+def pays_until(name: str, k: int, speedups: dict[int, float]) -> str:
+    """Where speculation stops paying: the largest batch size before the first one at which
+    it is slower than no speculation."""
+    losing = [b for b, s in sorted(speedups.items()) if s < 1.0]
+    if not losing:
+        return f"- {name}, K={k}: faster at every batch size measured"
+    paying = [b for b in speedups if b < losing[0]]
+    if not paying:
+        return f"- {name}, K={k}: slower from batch {losing[0]} on"
+    return f"- {name}, K={k}: faster up to batch {max(paying)}, slower from batch {losing[0]}"
+
+
 def draft_path(name: str, model: str, workdir: Path) -> str:
     if name == "self":
         return model
@@ -138,6 +150,7 @@ def main() -> None:
 
     print(HEADER)
     rows = [HEADER]
+    summaries: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.drafts.split(","):
             draft = draft_path(name, args.model, Path(tmp))
@@ -146,6 +159,7 @@ def main() -> None:
                           num_speculative_tokens=k, **engine_args)
                 run_once(llm, prompts[: max(batches)], params)  # warm-up
                 stats = llm.engine.proposer.cache.stats
+                speedups = {}
                 for b in batches:
                     before = (stats.num_drafts, stats.num_accepted)
                     spec = measure(llm, prompts[:b], params, args.repeat)
@@ -157,8 +171,11 @@ def main() -> None:
                            f"{accept:.2f} |")
                     print(row, flush=True)
                     rows.append(row)
+                    speedups[b] = base.tpot_ms / spec.tpot_ms
+                summaries.append(pays_until(name, k, speedups))
                 del llm
                 release()
+    print("\n".join(summaries))
     if args.results:
         note = (f"(target {Path(args.model).name}, prompts of {args.prompt_len} held-out stdlib "
                 f"tokens, {args.max_tokens} new tokens, temperature {args.temperature}, "
@@ -167,7 +184,8 @@ def main() -> None:
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
             if k not in ("results", "model") and v not in (None, False))
         append_results(args.results, [*entry_heading("draft_model speculative decoding",
-                                                     command, note), *rows], SECTION, ABOUT)
+                                                     command, note), *rows, "", *summaries],
+                       SECTION, ABOUT)
 
 
 if __name__ == "__main__":
