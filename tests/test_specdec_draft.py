@@ -304,6 +304,24 @@ def test_self_drafting_sampled_drafts_with_probs_are_accepted(llama_path):
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
 
 
+def test_greedy_and_sampled_requests_mix_in_one_batch(llama_path, small_draft):
+    """Greedy requests next to sampled ones (top-k, top-p, min-p, seeds): the greedy ones
+    keep their non-speculative tokens; only the sampled ones get draft probs."""
+    prompts = mixed_prompts(7, lengths=(4, 19, 11))
+    baseline = run(LLM(llama_path), prompts)
+    llm = speculative(llama_path, small_draft, k=3)
+    drafted = record_drafts(llm)
+    sampled = [SamplingParams(temperature=0.9, top_k=40, max_tokens=16, seed=1),
+               SamplingParams(temperature=1.2, top_p=0.8, min_p=0.05, max_tokens=16),
+               SamplingParams(temperature=0.7, max_tokens=16, seed=2)]
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    outs = llm.generate(requests * 2, [greedy()] * len(prompts) + sampled, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs[: len(prompts)]] == baseline
+    assert all(len(o.outputs[0].token_ids) == 16 for o in outs[len(prompts):])
+    assert len(drafted) == 2 * len(prompts)
+    assert_no_draft_blocks_held(llm)
+
+
 def test_vocabulary_mismatch_is_refused_at_start_up(llama_path, tmp_path):
     bundled = default_model_path()
     with pytest.raises(ValueError, match=r"different vocabulary.*4096.*512|512.*4096"):
