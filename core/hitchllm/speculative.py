@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     import torch
 
     from hitchllm.config import EngineConfig
+    from hitchllm.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -53,9 +54,9 @@ class DraftRequest:
     # stays within max_tokens and max_model_len; at least 1 (a request that may take no
     # drafts is not asked).
     max_num_drafts: int
-    # The request's sampling temperature; 0 for a greedy request, which accepts only the
-    # target's argmax, so a model-based proposer drafts its own argmax there (no probs).
-    temperature: float = 0.0
+    # The request's sampling parameters, for a proposer that samples its drafts the way the
+    # target samples (temperature, top-k / top-p / min-p, seed). Read-only, like token_ids.
+    sampling_params: SamplingParams | None = None
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,11 @@ class Proposer(ABC):
         loaded, on the engine's device) and before any ``propose``. A proposer that shares the
         target's layers (an EAGLE head uses its embedding and LM head) keeps them here and
         raises ``ValueError`` when it cannot work with this target. Does nothing by default."""
+
+    def remove_requests(self, request_ids: list[str]) -> None:  # noqa: B027 (optional hook)
+        """Forget requests that finished (stopped, aborted or failed). The engine calls this as
+        they finish, before their ids can be reused, so a proposer that keeps per-request state
+        (a draft model's KV-cache blocks) frees it here. Does nothing by default."""
 
     @abstractmethod
     def propose(self, batch: ProposalBatch) -> Proposal:

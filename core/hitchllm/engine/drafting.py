@@ -60,7 +60,7 @@ class Drafter:
         batch = ProposalBatch(
             [
                 DraftRequest(r.request_id, r.all_token_ids, r.num_prompt_tokens, limit,
-                             0.0 if r.sampling_params.greedy else r.sampling_params.temperature)
+                             r.sampling_params)
                 for r, limit in zip(decoding, limits, strict=True)
             ],
             hidden,

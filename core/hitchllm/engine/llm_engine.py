@@ -177,6 +177,7 @@ class LLMEngine:
                 policy=PreemptionPolicy(config.scheduling_policy),
             ),
             self.kv_cache,
+            on_finish=None if self.proposer is None else self.proposer.remove_requests,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.vocab_size = mc.vocab_size

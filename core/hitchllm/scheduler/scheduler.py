@@ -26,7 +26,7 @@ While a group of suspects is out, steps schedule only that group's requests.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from hitchllm.kv_cache.manager import KVCacheManager
@@ -63,9 +63,15 @@ class SchedulerStats:
 class Scheduler:
     """Owns the waiting and running queues and the KV cache manager."""
 
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv_cache: KVCacheManager,
+        on_finish: Callable[[list[str]], None] | None = None,
+    ) -> None:
         self.config = config
         self.kv_cache = kv_cache
+        # Told the id of every request as it finishes (the speculative proposer's
+        # ``remove_requests``), whatever ended it.
+        self.on_finish = on_finish
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -106,6 +112,8 @@ class Scheduler:
         self._blocks_sent.pop(request.request_id, None)
         self._finished.append(request.request_id)
         del self.requests[request.request_id]
+        if self.on_finish is not None:
+            self.on_finish([request.request_id])
 
     # ---- one step ----------------------------------------------------------------------
 

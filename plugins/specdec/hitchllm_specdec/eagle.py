@@ -126,9 +126,10 @@ class EagleProposer(Proposer):
         # The newest token sits at len - 1; its hidden state came from position len - 2.
         positions = torch.tensor([len(r.token_ids) - 2 for r in requests], device=device)
         tokens = torch.tensor([r.token_ids[-1] for r in requests], device=device)
-        temperature = torch.tensor([r.temperature for r in requests], device=device)
+        temperatures = [_temperature(r) for r in requests]
+        temperature = torch.tensor(temperatures, device=device)
         sampled_rows = temperature > 0
-        any_sampled = any(r.temperature > 0 for r in requests)  # (no device read)
+        any_sampled = any(t > 0 for t in temperatures)  # (no device read)
         hidden = batch.hidden_states.to(next(self.head.parameters()).dtype)
         max_position = self.head_config.max_position_embeddings - 1
         num_steps = max(r.max_num_drafts for r in requests)
@@ -152,7 +153,7 @@ class EagleProposer(Proposer):
         return Proposal({
             r.request_id: Draft(
                 draft_ids[i][: r.max_num_drafts],
-                stacked[i, : r.max_num_drafts] if stacked is not None and r.temperature > 0
+                stacked[i, : r.max_num_drafts] if stacked is not None and temperatures[i] > 0
                 else None)
             for i, r in enumerate(requests)
         })
@@ -198,3 +199,10 @@ class EagleProposer(Proposer):
             c.tokens.extend([r.token_ids[-1], *drafts[i][: n - 1]])
             c.keys = torch.cat([c.keys, context.keys[i, start : start + n]])
             c.values = torch.cat([c.values, context.values[i, start : start + n]])
+
+
+def _temperature(request: DraftRequest) -> float:
+    """The request's sampling temperature; 0 for a greedy request, which accepts only the
+    target's argmax, so the head drafts its own argmax there (no probs)."""
+    params = request.sampling_params
+    return 0.0 if params is None or params.greedy else params.temperature

@@ -12,6 +12,7 @@ from hitchllm.speculative import Proposer
 PROPOSERS = {
     "ngram": "ngram:NgramProposer",
     "eagle": "eagle:EagleProposer",
+    "draft_model": "draft_model:DraftModelProposer",
 }
 
 

@@ -1,0 +1,192 @@
+"""Forward passes of the draft model over its own paged KV cache.
+
+Built from the core's pieces, as the target's ``ModelRunner`` is: the attention backend's impl
+and metadata builder (one of each per layer / per runner, bound to the draft's own cache
+tensors), ``StepBuffers`` for the flat per-step inputs, ``CommonAttentionMetadata`` to describe
+a batch, and ``DecodeGraphs`` for CUDA graphs. A forward takes any mix of query lengths (the
+catch-up over the tokens a request gained) and returns the logits at each request's last
+token; batches of one token per request (the draft steps) are padded to a capture size and
+replayed from a CUDA graph once ``capture_cuda_graphs`` ran, when the backend allows it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from hitchllm.attention import (
+    Attention,
+    AttentionBackend,
+    AttentionSpec,
+    CommonAttentionMetadata,
+    CudaGraphSupport,
+    KVCacheSpec,
+    set_forward_context,
+)
+from hitchllm.engine.cuda_graphs import DecodeGraphs
+from hitchllm.engine.step_buffers import StepBuffers
+
+
+class DraftRunner:
+    """Runs one draft model with one attention backend; ``allocate_kv_cache`` first."""
+
+    def __init__(
+        self, model: nn.Module, backend: type[AttentionBackend], spec: AttentionSpec,
+        max_num_seqs: int, max_num_tokens: int, max_model_len: int, device: torch.device,
+        graph_sizes: list[int],
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.spec = spec
+        self.device = device
+        self.block_size = spec.block_size
+        self.max_model_len = max_model_len
+        self.max_num_tokens = max_num_tokens
+        self.buffers = StepBuffers(max_num_tokens, max_num_seqs,
+                                   -(-max_model_len // spec.block_size), device)
+        self.builder = backend.get_builder_cls()(spec, device)
+        self.layers = sorted((m for m in model.modules() if isinstance(m, Attention)),
+                             key=lambda m: m.layer_index)
+        self.kv_cache_specs: list[KVCacheSpec] = [
+            layer.get_kv_cache_spec(spec.block_size, spec.kv_cache_dtype) for layer in self.layers
+        ]
+        graphs_possible = (device.type == "cuda"
+                           and backend.cuda_graph_support is CudaGraphSupport.UNIFORM_DECODE)
+        sizes = [s for s in graph_sizes if s <= min(max_num_seqs, max_num_tokens)]
+        self.graphs = DecodeGraphs(sizes) if graphs_possible and sizes else None
+        self._inputs_copied: torch.cuda.Event | None = None
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Allocate and bind every layer's cache with ``num_blocks`` blocks."""
+        impl_cls = self.backend.get_impl_cls()
+        for layer, kv_spec in zip(self.layers, self.kv_cache_specs, strict=True):
+            shape = self.backend.get_kv_cache_shape_for_spec(num_blocks, kv_spec)
+            cache = torch.zeros(shape, dtype=kv_spec.dtype, device=self.device)
+            impl = impl_cls(layer.num_heads, layer.head_size, layer.scale, layer.num_kv_heads,
+                            self.spec)
+            layer.bind(impl, cache)
+
+    @torch.inference_mode()
+    def capture_cuda_graphs(self) -> None:
+        """Capture the one-token-per-request forward at every graph size (no-op without)."""
+        if self.graphs is None:
+            return
+        b = self.buffers
+
+        def prepare(size: int) -> None:
+            self._pad(0, size)
+            b.input_ids.to_device(size)
+            b.positions.to_device(size)
+            common = self._common_metadata(np.zeros(0, dtype=np.int64),
+                                           np.zeros(0, dtype=np.int64),
+                                           np.zeros((0, 1), dtype=np.int32), 0, size)
+            self._graph_metadata = self.builder.build(common)
+
+        def forward(size: int) -> torch.Tensor:
+            with set_forward_context(self._graph_metadata):
+                return self.model(b.input_ids.device[:size], b.positions.device[:size])
+
+        self.graphs.capture(prepare, forward)
+        del self._graph_metadata
+
+    @torch.inference_mode()
+    def forward(
+        self, query_lens: np.ndarray, num_computed: np.ndarray, block_table: np.ndarray,
+        token_ids: np.ndarray | None = None, device_token_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Compute ``query_lens[i]`` new tokens of request ``i`` from position
+        ``num_computed[i]`` (its cached K/V through ``block_table[i]``) and return the
+        ``[num_reqs, vocab]`` logits at each request's last new token.
+
+        The tokens come packed from the host (``token_ids``) or, for one token per request,
+        from the device (``device_token_ids``: the previous draft step's samples).
+        """
+        b = self.buffers
+        if self._inputs_copied is not None:
+            self._inputs_copied.synchronize()  # the last forward's host buffers were copied
+        n = len(query_lens)
+        num_tokens = int(query_lens.sum())
+        ends = np.cumsum(query_lens)
+        token_req = np.repeat(np.arange(n), query_lens)
+        positions = num_computed[token_req] + np.arange(num_tokens) - (ends - query_lens)[token_req]
+        b.positions.np[:num_tokens] = positions
+        blocks = block_table[token_req, positions // self.block_size].astype(np.int64)
+        b.slot_mapping.np[:num_tokens] = blocks * self.block_size + positions % self.block_size
+        # The columns this batch's contexts reach, as the target's runner passes them.
+        num_cols = -(-int((num_computed + query_lens).max()) // self.block_size)
+        block_table = block_table[:, :num_cols]
+        graph_size = None
+        if self.graphs is not None and num_tokens == n:
+            graph_size = self.graphs.padded_size(n)
+        total = num_tokens
+        if graph_size is not None:
+            self._pad(num_tokens, graph_size)
+            total = graph_size
+        if token_ids is not None:
+            b.input_ids.np[:num_tokens] = token_ids
+            input_ids = b.input_ids.to_device(total)
+        else:
+            assert device_token_ids is not None and num_tokens == n
+            input_ids = b.input_ids.device[:total]
+            input_ids[:n].copy_(device_token_ids)
+        common = self._common_metadata(query_lens, num_computed, block_table, num_tokens,
+                                       graph_size)
+        positions_dev = b.positions.to_device(total)
+        b.logits_indices.np[:n] = ends - 1
+        last = b.logits_indices.to_device(n)
+        if self.device.type == "cuda":
+            self._inputs_copied = torch.cuda.Event()
+            self._inputs_copied.record()
+        metadata = self.builder.build(common)
+        if graph_size is not None and self.graphs is not None and self.graphs.captured:
+            hidden = self.graphs.replay(graph_size)
+        else:
+            with set_forward_context(metadata):
+                hidden = self.model(input_ids, positions_dev)
+        return self.model.compute_logits(hidden[last])
+
+    def _pad(self, start: int, size: int) -> None:
+        """Padding requests ``start..size-1``: token 0 at position 0, slot -1 (no write)."""
+        b = self.buffers
+        b.input_ids.np[start:size] = 0
+        b.positions.np[start:size] = 0
+        b.slot_mapping.np[start:size] = -1
+
+    def _common_metadata(
+        self, query_lens: np.ndarray, num_computed: np.ndarray, block_table: np.ndarray,
+        num_tokens: int, graph_size: int | None,
+    ) -> CommonAttentionMetadata:
+        """Write the per-request buffers and describe the batch (padded to ``graph_size``
+        requests of one token and context 0 when given)."""
+        b = self.buffers
+        n = len(query_lens)
+        total_reqs = graph_size or n
+        qsl = b.query_start_loc.np
+        qsl[0] = 0
+        np.cumsum(query_lens, out=qsl[1 : n + 1])
+        seq_lens = b.seq_lens.np
+        seq_lens[:n] = num_computed + query_lens
+        b.num_computed.np[:n] = num_computed
+        if total_reqs > n:
+            qsl[n + 1 : total_reqs + 1] = num_tokens + np.arange(1, total_reqs - n + 1)
+            seq_lens[n:total_reqs] = 0
+            b.num_computed.np[n:total_reqs] = 0
+        if len(block_table):
+            b.set_block_table(block_table)
+        return CommonAttentionMetadata(
+            query_start_loc=b.query_start_loc.to_device(total_reqs + 1),
+            query_start_loc_cpu=b.query_start_loc.cpu[: total_reqs + 1],
+            seq_lens=b.seq_lens.to_device(total_reqs),
+            seq_lens_cpu=b.seq_lens.cpu[:total_reqs],
+            num_computed_tokens_cpu=b.num_computed.cpu[:total_reqs],
+            block_table=b.block_table[:total_reqs],
+            block_table_cpu=torch.from_numpy(np.ascontiguousarray(block_table, dtype=np.int32)),
+            slot_mapping=b.slot_mapping.to_device(int(qsl[total_reqs])),
+            num_reqs=total_reqs,
+            num_actual_tokens=int(qsl[total_reqs]),
+            max_query_len=int(query_lens.max()) if n else 1,
+            max_seq_len=(self.max_model_len if graph_size is not None
+                         else int(seq_lens[:n].max()) if n else 0),
+            cuda_graph=graph_size is not None,
+        )
