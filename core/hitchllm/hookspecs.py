@@ -105,9 +105,10 @@ def hitchllm_speculative_proposers() -> dict[str, type[Proposer]]:
     loaded target model once through ``bind_target_model(model)``. After each step its
     ``propose(batch: ProposalBatch) -> Proposal`` is called with the requests that sampled a
     token in that step and keep decoding: each one's id, token ids (prompt then output), the
-    most drafts it may use and its temperature, and, when the class sets
+    most drafts it may use and its ``SamplingParams``, and, when the class sets
     ``needs_hidden_states = True``, the target model's final hidden states at the positions
-    that produced the newest tokens. The returned ``Draft`` per request id holds draft token
+    that produced the newest tokens. Requests that finish (stop, abort, error) are passed to
+    ``remove_requests(ids)`` so that per-request state is freed. The returned ``Draft`` per request id holds draft token
     ids and optionally ``probs``, the ``[k, vocab_size]`` distribution they were sampled from.
     The next step computes ``1 + len(drafts)`` tokens for the request and the core verifies the
     drafts by rejection sampling (with ``probs`` when given), so the output distribution is the
