@@ -386,21 +386,34 @@ def test_no_draft_blocks_leak_after_finish_or_abort(llama_path, small_draft):
 def test_gpu_draft_steps_replay_cuda_graphs(bundled_half):
     """On CUDA (TRITON_ATTN, bfloat16) the draft steps replay captured graphs; the bundled
     model drafting for itself or with its half-depth draft generates what it generates
-    without speculation, and self-drafting is accepted."""
+    without speculation, and self-drafting is accepted.
+
+    In bfloat16 a verification step (several query tokens per request) and a decode step run
+    different kernels, so a near-tie between the target's two best tokens may break either
+    way: the outputs must agree up to a first difference, and there the two tokens must be
+    a near-tie of the non-speculative run (log-probabilities within 0.05)."""
     path = default_model_path()
     gpu = dict(device="cuda", attention_backend="TRITON_ATTN", gpu_memory_utilization=0.3)
     prompts = ["def add(a, b):\n", "import os\nimport sys\n", "class Engine:\n    def step",
                "for i in range(10):\n"]
-    params = SamplingParams(temperature=0, max_tokens=32)
+    params = SamplingParams(temperature=0, max_tokens=32, logprobs=2)
 
-    def generate(llm: LLM) -> list[list[int]]:
-        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    def generate(llm: LLM) -> list:
+        return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
 
     base = generate(LLM(path, **gpu))
     for draft in (path, bundled_half):
         llm = speculative(path, draft, k=4, **gpu)
         assert llm.engine.proposer.runner.graphs.captured
-        assert generate(llm) == base
+        for want, got in zip(base, generate(llm), strict=True):
+            same = [a == b for a, b in zip(want.token_ids, got.token_ids, strict=True)]
+            if all(same):
+                continue
+            i = same.index(False)
+            top = want.logprobs[i]
+            assert got.token_ids[i] in top, (i, want.token_ids, got.token_ids)
+            gap = top[want.token_ids[i]].logprob - top[got.token_ids[i]].logprob
+            assert gap < 0.05, (i, gap, want.token_ids, got.token_ids)
         if draft == path:
             assert llm.engine.proposer.cache.stats.acceptance_rate > 0.9
         assert_no_draft_blocks_held(llm)
