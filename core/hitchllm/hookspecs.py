@@ -108,8 +108,9 @@ def hitchllm_speculative_proposers() -> dict[str, type[Proposer]]:
     most drafts it may use and its ``SamplingParams``, and, when the class sets
     ``needs_hidden_states = True``, the target model's final hidden states at the positions
     that produced the newest tokens. Requests that finish (stop, abort, error) are passed to
-    ``remove_requests(ids)`` so that per-request state is freed. The returned ``Draft`` per request id holds draft token
-    ids and optionally ``probs``, the ``[k, vocab_size]`` distribution they were sampled from.
+    ``remove_requests(ids)`` so that per-request state is freed. The returned ``Draft`` per
+    request id holds draft token ids and optionally ``probs``, the ``[k, vocab_size]``
+    distribution they were sampled from.
     The next step computes ``1 + len(drafts)`` tokens for the request and the core verifies the
     drafts by rejection sampling (with ``probs`` when given), so the output distribution is the
     target model's whatever the drafts are; ``probs`` raise the acceptance rate of sampled

@@ -145,10 +145,10 @@ class ModelRunner:
         b.input_ids.np[:num_tokens] = 0
         b.positions.np[:num_tokens] = np.arange(num_tokens) - np.repeat(starts, lens)
         b.slot_mapping.np[:num_tokens] = -1
-        common = self._common_metadata(
+        common = self.buffers.common_metadata(
             lens, np.zeros(num_reqs, dtype=np.int64),
             np.zeros((num_reqs, -(-int(lens.max()) // self.block_size)), dtype=np.int32),
-            num_tokens, cuda_graph=False)
+            num_tokens, cuda_graph=False, max_model_len=self.max_model_len)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         hidden = self._eager_forward(b.input_ids.to_device(num_tokens),
@@ -182,10 +182,11 @@ class ModelRunner:
 
         def prepare(size: int) -> None:
             # A batch of padding requests: the graph's kernels do not depend on the values.
-            self._pad_decode_inputs(0, size)
-            common = self._common_metadata(
+            self.buffers.pad_decode_inputs(0, size)
+            common = self.buffers.common_metadata(
                 np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64),
-                np.zeros((0, 1), dtype=np.int32), 0, cuda_graph=True, padded_reqs=size)
+                np.zeros((0, 1), dtype=np.int32), 0, cuda_graph=True,
+                max_model_len=self.max_model_len, padded_reqs=size)
             self._graph_metadata = self.builder.build(common)
 
         def forward(size: int) -> torch.Tensor:
@@ -304,11 +305,12 @@ class ModelRunner:
         block_table = self.input_batch.block_table[rows, :num_cols]
         total_tokens = num_tokens
         if graph_size is not None:
-            self._pad_decode_inputs(num_tokens, graph_size)
+            self.buffers.pad_decode_inputs(num_tokens, graph_size)
             total_tokens = graph_size
-        common = self._common_metadata(
+        common = self.buffers.common_metadata(
             num_sched, num_computed, block_table, num_tokens,
-            cuda_graph=graph_size is not None, padded_reqs=graph_size)
+            cuda_graph=graph_size is not None, max_model_len=self.max_model_len,
+            padded_reqs=graph_size)
         input_ids = b.input_ids.to_device(total_tokens)
         pending = np.flatnonzero(positions >= known[token_req])
         if len(pending):
@@ -343,57 +345,6 @@ class ModelRunner:
         num_logits = int(counts.sum())
         self.buffers.logits_indices.np[:num_logits] = first + within
         return self.buffers.logits_indices.to_device(num_logits)
-
-    def _pad_decode_inputs(self, start: int, size: int) -> None:
-        """Padding requests ``start..size-1`` of a decode batch: token 0 at position 0, slot
-        -1 (nothing written)."""
-        b = self.buffers
-        b.input_ids.np[start:size] = 0
-        b.positions.np[start:size] = 0
-        b.slot_mapping.np[start:size] = -1
-
-    def _common_metadata(
-        self, num_sched: np.ndarray, num_computed: np.ndarray, block_table: np.ndarray,
-        num_tokens: int, cuda_graph: bool, padded_reqs: int | None = None,
-    ) -> CommonAttentionMetadata:
-        """Write the per-request buffers and describe the batch. Padding requests (up to
-        ``padded_reqs``) get one query token and a context length of 0."""
-        b = self.buffers
-        num_reqs = len(num_sched)
-        total_reqs = padded_reqs or num_reqs
-        qsl = b.query_start_loc.np
-        qsl[0] = 0
-        np.cumsum(num_sched, out=qsl[1 : num_reqs + 1])
-        seq_lens = b.seq_lens.np
-        seq_lens[:num_reqs] = num_computed + num_sched
-        b.num_computed.np[:num_reqs] = num_computed
-        if total_reqs > num_reqs:
-            num_pad = total_reqs - num_reqs
-            qsl[num_reqs + 1 : total_reqs + 1] = num_tokens + np.arange(1, num_pad + 1)
-            seq_lens[num_reqs:total_reqs] = 0
-            b.num_computed.np[num_reqs:total_reqs] = 0
-        total_tokens = int(qsl[total_reqs])
-        max_seq_len = int(seq_lens[:num_reqs].max()) if num_reqs else 0
-        return CommonAttentionMetadata(
-            query_start_loc=b.query_start_loc.to_device(total_reqs + 1),
-            query_start_loc_cpu=b.query_start_loc.cpu[: total_reqs + 1],
-            seq_lens=b.seq_lens.to_device(total_reqs),
-            seq_lens_cpu=b.seq_lens.cpu[:total_reqs],
-            num_computed_tokens_cpu=b.num_computed.cpu[:total_reqs],
-            block_table=self._block_table(block_table, total_reqs),
-            block_table_cpu=torch.from_numpy(np.ascontiguousarray(block_table, dtype=np.int32)),
-            slot_mapping=b.slot_mapping.to_device(total_tokens),
-            num_reqs=total_reqs,
-            num_actual_tokens=total_tokens,
-            max_query_len=int(num_sched.max()) if num_reqs else 1,
-            max_seq_len=self.max_model_len if cuda_graph else max_seq_len,
-            cuda_graph=cuda_graph,
-        )
-
-    def _block_table(self, table: np.ndarray, total_reqs: int) -> torch.Tensor:
-        if len(table):
-            self.buffers.set_block_table(table)
-        return self.buffers.block_table[:total_reqs]
 
     def _sample(
         self, sampling: list[tuple[RequestState, list[int]]], logits: torch.Tensor,

@@ -15,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from hitchllm.attention import CommonAttentionMetadata
+
 
 class HostDeviceBuffer:
     """A pinned host tensor (with a numpy view) and a device tensor of the same shape.
@@ -69,3 +71,50 @@ class StepBuffers:
         packed = self.block_table_packed.to_device(n * cols).view(n, cols)
         self.block_table[:n, :cols].copy_(packed)
         return self.block_table[:n]
+
+    def pad_decode_inputs(self, start: int, size: int) -> None:
+        """Padding requests ``start..size-1`` of a decode batch: token 0 at position 0, slot
+        -1 (nothing written)."""
+        self.input_ids.np[start:size] = 0
+        self.positions.np[start:size] = 0
+        self.slot_mapping.np[start:size] = -1
+
+    def common_metadata(
+        self, num_sched: np.ndarray, num_computed: np.ndarray, block_table: np.ndarray,
+        num_tokens: int, cuda_graph: bool, max_model_len: int, padded_reqs: int | None = None,
+    ) -> CommonAttentionMetadata:
+        """Write the per-request buffers and describe the batch. Padding requests (up to
+        ``padded_reqs``) get one query token and a context length of 0; a CUDA-graph batch
+        declares ``max_model_len`` as its longest sequence (the graph serves any)."""
+        num_reqs = len(num_sched)
+        total_reqs = padded_reqs or num_reqs
+        qsl = self.query_start_loc.np
+        qsl[0] = 0
+        np.cumsum(num_sched, out=qsl[1 : num_reqs + 1])
+        seq_lens = self.seq_lens.np
+        seq_lens[:num_reqs] = num_computed + num_sched
+        self.num_computed.np[:num_reqs] = num_computed
+        if total_reqs > num_reqs:
+            num_pad = total_reqs - num_reqs
+            qsl[num_reqs + 1 : total_reqs + 1] = num_tokens + np.arange(1, num_pad + 1)
+            seq_lens[num_reqs:total_reqs] = 0
+            self.num_computed.np[num_reqs:total_reqs] = 0
+        if len(block_table):
+            self.set_block_table(block_table)
+        total_tokens = int(qsl[total_reqs])
+        max_seq_len = int(seq_lens[:num_reqs].max()) if num_reqs else 0
+        return CommonAttentionMetadata(
+            query_start_loc=self.query_start_loc.to_device(total_reqs + 1),
+            query_start_loc_cpu=self.query_start_loc.cpu[: total_reqs + 1],
+            seq_lens=self.seq_lens.to_device(total_reqs),
+            seq_lens_cpu=self.seq_lens.cpu[:total_reqs],
+            num_computed_tokens_cpu=self.num_computed.cpu[:total_reqs],
+            block_table=self.block_table[:total_reqs],
+            block_table_cpu=torch.from_numpy(np.ascontiguousarray(block_table, dtype=np.int32)),
+            slot_mapping=self.slot_mapping.to_device(total_tokens),
+            num_reqs=total_reqs,
+            num_actual_tokens=total_tokens,
+            max_query_len=int(num_sched.max()) if num_reqs else 1,
+            max_seq_len=max_model_len if cuda_graph else max_seq_len,
+            cuda_graph=cuda_graph,
+        )

@@ -19,7 +19,6 @@ from hitchllm.attention import (
     Attention,
     AttentionBackend,
     AttentionSpec,
-    CommonAttentionMetadata,
     CudaGraphSupport,
     KVCacheSpec,
     set_forward_context,
@@ -75,12 +74,12 @@ class DraftRunner:
         b = self.buffers
 
         def prepare(size: int) -> None:
-            self._pad(0, size)
+            b.pad_decode_inputs(0, size)
             b.input_ids.to_device(size)
             b.positions.to_device(size)
-            common = self._common_metadata(np.zeros(0, dtype=np.int64),
-                                           np.zeros(0, dtype=np.int64),
-                                           np.zeros((0, 1), dtype=np.int32), 0, size)
+            common = b.common_metadata(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64),
+                                       np.zeros((0, 1), dtype=np.int32), 0, cuda_graph=True,
+                                       max_model_len=self.max_model_len, padded_reqs=size)
             self._graph_metadata = self.builder.build(common)
 
         def forward(size: int) -> torch.Tensor:
@@ -121,7 +120,7 @@ class DraftRunner:
             graph_size = self.graphs.padded_size(n)
         total = num_tokens
         if graph_size is not None:
-            self._pad(num_tokens, graph_size)
+            b.pad_decode_inputs(num_tokens, graph_size)
             total = graph_size
         if token_ids is not None:
             b.input_ids.np[:num_tokens] = token_ids
@@ -130,8 +129,9 @@ class DraftRunner:
             assert device_token_ids is not None and num_tokens == n
             input_ids = b.input_ids.device[:total]
             input_ids[:n].copy_(device_token_ids)
-        common = self._common_metadata(query_lens, num_computed, block_table, num_tokens,
-                                       graph_size)
+        common = b.common_metadata(query_lens, num_computed, block_table, num_tokens,
+                                   cuda_graph=graph_size is not None,
+                                   max_model_len=self.max_model_len, padded_reqs=graph_size)
         positions_dev = b.positions.to_device(total)
         b.logits_indices.np[:n] = ends - 1
         last = b.logits_indices.to_device(n)
@@ -145,48 +145,3 @@ class DraftRunner:
             with set_forward_context(metadata):
                 hidden = self.model(input_ids, positions_dev)
         return self.model.compute_logits(hidden[last])
-
-    def _pad(self, start: int, size: int) -> None:
-        """Padding requests ``start..size-1``: token 0 at position 0, slot -1 (no write)."""
-        b = self.buffers
-        b.input_ids.np[start:size] = 0
-        b.positions.np[start:size] = 0
-        b.slot_mapping.np[start:size] = -1
-
-    def _common_metadata(
-        self, query_lens: np.ndarray, num_computed: np.ndarray, block_table: np.ndarray,
-        num_tokens: int, graph_size: int | None,
-    ) -> CommonAttentionMetadata:
-        """Write the per-request buffers and describe the batch (padded to ``graph_size``
-        requests of one token and context 0 when given)."""
-        b = self.buffers
-        n = len(query_lens)
-        total_reqs = graph_size or n
-        qsl = b.query_start_loc.np
-        qsl[0] = 0
-        np.cumsum(query_lens, out=qsl[1 : n + 1])
-        seq_lens = b.seq_lens.np
-        seq_lens[:n] = num_computed + query_lens
-        b.num_computed.np[:n] = num_computed
-        if total_reqs > n:
-            qsl[n + 1 : total_reqs + 1] = num_tokens + np.arange(1, total_reqs - n + 1)
-            seq_lens[n:total_reqs] = 0
-            b.num_computed.np[n:total_reqs] = 0
-        if len(block_table):
-            b.set_block_table(block_table)
-        return CommonAttentionMetadata(
-            query_start_loc=b.query_start_loc.to_device(total_reqs + 1),
-            query_start_loc_cpu=b.query_start_loc.cpu[: total_reqs + 1],
-            seq_lens=b.seq_lens.to_device(total_reqs),
-            seq_lens_cpu=b.seq_lens.cpu[:total_reqs],
-            num_computed_tokens_cpu=b.num_computed.cpu[:total_reqs],
-            block_table=b.block_table[:total_reqs],
-            block_table_cpu=torch.from_numpy(np.ascontiguousarray(block_table, dtype=np.int32)),
-            slot_mapping=b.slot_mapping.to_device(int(qsl[total_reqs])),
-            num_reqs=total_reqs,
-            num_actual_tokens=int(qsl[total_reqs]),
-            max_query_len=int(query_lens.max()) if n else 1,
-            max_seq_len=(self.max_model_len if graph_size is not None
-                         else int(seq_lens[:n].max()) if n else 0),
-            cuda_graph=graph_size is not None,
-        )
