@@ -177,7 +177,7 @@ def test_sampled_tokens_follow_the_target(tiny_models, head_path, recorded):
     """Temperature > 0: the head samples its drafts and returns their probabilities; the first
     two emitted tokens (the second verified against a draft) follow transformers' float64
     distribution within a chi-square bound."""
-    from reference import hf_model
+    from reference import hf_model, hf_sampling_probs
     from test_rejection_sampler import assert_distribution
 
     path = tiny_models[ARCH]
@@ -185,10 +185,7 @@ def test_sampled_tokens_follow_the_target(tiny_models, head_path, recorded):
     hf = hf_model(path)
 
     def target(ids: list[int]) -> torch.Tensor:
-        with torch.no_grad():
-            logits = hf(torch.tensor([ids])).logits[0, -1].double() / temperature
-        kth = logits.topk(top_k).values[-1]
-        return logits.masked_fill(logits < kth, float("-inf")).softmax(-1)
+        return hf_sampling_probs(hf, ids, temperature, top_k)
 
     p0 = target(prompt)
     firsts = p0.nonzero().flatten().tolist()

@@ -246,7 +246,7 @@ def test_sampled_tokens_follow_the_target_distribution():
     """Temperature 1 with top-k 3 on a repetitive prompt: ngram drafts the second token
     (verified as a point mass, accepted or rejected); the first two tokens must follow
     transformers' float64 distribution within a chi-square bound."""
-    from reference import hf_model
+    from reference import hf_model, hf_sampling_probs
     from test_rejection_sampler import assert_distribution
 
     path = default_model_path()
@@ -259,10 +259,7 @@ def test_sampled_tokens_follow_the_target_distribution():
     hf = hf_model(path, torch.float64)
 
     def target(ids: list[int]) -> torch.Tensor:
-        with torch.no_grad():
-            logits = hf(torch.tensor([ids])).logits[0, -1] / temperature
-        kth = logits.topk(top_k).values[-1]
-        return logits.masked_fill(logits < kth, float("-inf")).softmax(-1)
+        return hf_sampling_probs(hf, ids, temperature, top_k)
 
     p0 = target(prompt)
     firsts = p0.nonzero().flatten().tolist()

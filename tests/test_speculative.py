@@ -239,7 +239,7 @@ def test_sampled_tokens_follow_the_target_with_draft_probs(tiny_models, proposer
     """Through the engine: the second token is verified against a draft drawn from a fixed q
     unlike the target; the first two tokens must follow transformers' float64 distribution
     (temperature, top-k) within a chi-square bound."""
-    from reference import hf_model
+    from reference import hf_model, hf_sampling_probs
     from test_rejection_sampler import assert_distribution
 
     path = tiny_models["LlamaForCausalLM"]
@@ -247,10 +247,7 @@ def test_sampled_tokens_follow_the_target_with_draft_probs(tiny_models, proposer
     hf = hf_model(path)
 
     def target(ids: list[int]) -> torch.Tensor:
-        with torch.no_grad():
-            logits = hf(torch.tensor([ids])).logits[0, -1].double() / temperature
-        kth = logits.topk(top_k).values[-1]
-        return logits.masked_fill(logits < kth, float("-inf")).softmax(-1)
+        return hf_sampling_probs(hf, ids, temperature, top_k)
 
     p0 = target(prompt)
     firsts = p0.nonzero().flatten().tolist()
