@@ -77,7 +77,7 @@ class DraftKVCache:
 
     def catch_up(self, request_id: str, token_ids: Sequence[int]) -> DraftState:
         """The request's state with ``num_computed`` rolled back to what is still valid for
-        ``token_ids`` (a new request starts empty)."""
+        ``token_ids`` (a new request starts empty), short of the newest token."""
         self._clock += 1
         state = self.states.get(request_id)
         if state is None or len(token_ids) < state.num_context:
@@ -96,6 +96,10 @@ class DraftKVCache:
             # Drafts fed back (all but the last, or all) keep their K/V where accepted.
             state.num_computed = min(state.num_computed, state.num_context + accepted)
             state.drafts = []
+        # The newest token is always computed again: its logits give draft 1. (Its K/V may be
+        # cached already: a draft the step did not verify, dropped by the scheduler or lost
+        # to preemption, can equal the token the target sampled instead.)
+        state.num_computed = min(state.num_computed, len(token_ids) - 1)
         state.last_used = self._clock
         return state
 
