@@ -4,10 +4,12 @@ before its fix."""
 from __future__ import annotations
 
 import pytest
+import torch
 from hitchllm_specdec.draft_model import DraftModelProposer
 from test_models_hf_parity import greedy
 from test_specdec_draft import small_draft  # noqa: F401 (fixture)
 
+from hitchllm import SamplingParams
 from hitchllm.config import EngineConfig
 from hitchllm.speculative import DraftRequest, ProposalBatch
 
@@ -36,3 +38,34 @@ def test_draft_model_drafts_when_the_new_token_equals_an_unverified_draft(
             # the target sampled after them happens to be the next draft.
             verified = (step + (rid == "b")) % 3
             seq += ids[: verified + 1]
+
+
+def test_draft_model_noise_of_a_seeded_request_is_not_the_target_samplers(llama_path,
+                                                                          small_draft):  # noqa: F811
+    """The rejection sampler draws a seeded row's noise (acceptance ``u = exp(-E[d_j])`` and
+    the residual race) from ``Generator().manual_seed(seed)``, one ``[V]`` vector per row.
+    Had the draft drawn its tokens from the same stream, the noise that verifies draft ``j``
+    would be the noise that chose a later draft, so accepting ``d_j`` would make that draft
+    less likely to be ``d_j`` than ``q`` says, biasing the output. The draft's stream for a
+    seeded request must be another one (still a function of the seed alone)."""
+    config = EngineConfig(model=llama_path, speculative_method="draft_model",
+                          speculative_model=small_draft, num_speculative_tokens=4, block_size=4)
+    proposer = DraftModelProposer(config)
+    vocab = proposer.vocab_size
+    for seed in (0, 123, -(2**63), 2**64 - 1):
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=20)
+        rid = f"r{seed}"
+        proposal = proposer.propose(ProposalBatch([DraftRequest(rid, [5, 17, 42], 3, 4, params)]))
+        assert len(proposal.drafts[rid].token_ids) == 4
+        target = torch.Generator().manual_seed(seed)
+        target_stream = [torch.empty(vocab).exponential_(generator=target) for _ in range(12)]
+        following = torch.empty(vocab).exponential_(
+            generator=proposer.cache.states[rid].generator)
+        assert not any(torch.equal(following, t) for t in target_stream)
+    # Unseeded requests: the draft's shared generator is not the target sampler's either.
+    params = SamplingParams(temperature=1.0, max_tokens=20)
+    proposer.propose(ProposalBatch([DraftRequest("u", [5, 17, 42], 3, 4, params)]))
+    target = torch.Generator().manual_seed(config.seed)
+    target_stream = [torch.empty(vocab).exponential_(generator=target) for _ in range(12)]
+    following = torch.empty(vocab).exponential_(generator=proposer.generator)
+    assert not any(torch.equal(following, t) for t in target_stream)

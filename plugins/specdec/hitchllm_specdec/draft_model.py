@@ -91,7 +91,7 @@ class DraftModelProposer(Proposer):
         # of an eager forward of two when every draft was accepted. Eagerly it would cost a
         # forward per step for a token that is often rejected.
         self.feed_last_draft = self.runner.graphs is not None and self.runner.graphs.captured
-        self.generator = torch.Generator(self.device).manual_seed(cfg.seed)
+        self.generator = torch.Generator(self.device).manual_seed(draft_seed(cfg.seed))
         logger.info("Draft model %s (%s attention): KV cache of %d blocks of %d tokens",
                     draft.path, backend.name, num_blocks, cfg.block_size)
 
@@ -178,7 +178,8 @@ class DraftModelProposer(Proposer):
             state = self.cache.catch_up(r.request_id, r.token_ids)
             params = r.sampling_params
             if state.generator is None and params is not None and params.seed is not None:
-                state.generator = torch.Generator(self.device).manual_seed(params.seed)
+                state.generator = torch.Generator(self.device).manual_seed(
+                    draft_seed(params.seed))
             drafts = min(limit, r.max_num_drafts)
             cached = len(r.token_ids) + drafts - 1 + self.feed_last_draft
             if self.cache.allocate(state, cached, busy):
@@ -223,3 +224,12 @@ class DraftModelProposer(Proposer):
             state.num_computed = int(end)
         assert logits is not None
         return logits
+
+
+def draft_seed(seed: int) -> int:
+    """The seed of draft noise (a seeded request's, or the engine's for the others): a
+    function of the seed, never the seed itself. The target's sampler draws its noise from
+    ``seed``; the same stream here would make the noise that verifies one draft the noise
+    that chose a later one, and the accepted drafts' positions would then not follow ``q``
+    (biased output). An odd multiplier plus one has no fixed point modulo 2**64."""
+    return (seed * 0x9E3779B97F4A7C15 + 1) % 2**64
