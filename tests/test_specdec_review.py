@@ -9,7 +9,7 @@ from hitchllm_specdec.draft_model import DraftModelProposer
 from test_models_hf_parity import greedy
 from test_specdec_draft import small_draft  # noqa: F401 (fixture)
 
-from hitchllm import SamplingParams
+from hitchllm import LLM, SamplingParams
 from hitchllm.config import EngineConfig
 from hitchllm.speculative import DraftRequest, ProposalBatch
 
@@ -69,3 +69,37 @@ def test_draft_model_noise_of_a_seeded_request_is_not_the_target_samplers(llama_
     target_stream = [torch.empty(vocab).exponential_(generator=target) for _ in range(12)]
     following = torch.empty(vocab).exponential_(generator=proposer.generator)
     assert not any(torch.equal(following, t) for t in target_stream)
+
+
+def test_eagle_frees_head_caches_of_finished_requests(llama_path, tmp_path):
+    """A finished (or aborted) request's head cache is freed when the engine says it
+    finished, not kept until 2 * max_num_seqs other requests evict it (device memory of up to
+    ``max_model_len`` entries each, and stale state for a reused id)."""
+    from test_specdec_eagle import write_head
+
+    head = write_head(tmp_path / "head", llama_path)
+    llm = LLM(llama_path, block_size=4, dtype="float32", speculative_method="eagle",
+              num_speculative_tokens=3, speculative_model=head)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": [5, 17, 42, i]} for i in range(3)], params,
+                 use_tqdm=False)
+    assert llm.engine.proposer.caches == {}
+    llm.engine.add_request({"prompt_token_ids": [5, 17, 42]}, params, request_id="x")
+    for _ in range(3):
+        llm.engine.step()
+    assert "x" in llm.engine.proposer.caches
+    llm.engine.abort_request(["x"])
+    assert llm.engine.proposer.caches == {}
+
+
+def test_eagle_draft_noise_is_not_the_target_samplers_stream(llama_path, tmp_path):
+    """The eagle head samples drafts from a generator of its own; seeded with the engine's
+    seed it would replay the stream the target's sampler draws its (acceptance) noise from."""
+    from test_specdec_eagle import write_head
+
+    head = write_head(tmp_path / "head", llama_path)
+    llm = LLM(llama_path, block_size=4, dtype="float32", speculative_method="eagle",
+              num_speculative_tokens=3, speculative_model=head, seed=5)
+    target = torch.Generator().manual_seed(5)
+    assert not torch.equal(torch.rand(16, generator=llm.engine.proposer.generator),
+                           torch.rand(16, generator=target))

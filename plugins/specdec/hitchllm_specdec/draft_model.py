@@ -43,7 +43,7 @@ from hitchllm.speculative import Draft, DraftRequest, Proposal, ProposalBatch, P
 from hitchllm_specdec.draft_cache import DraftKVCache, DraftState
 from hitchllm_specdec.draft_checkpoint import check_same_vocabulary, read_draft_config
 from hitchllm_specdec.draft_runner import DraftRunner
-from hitchllm_specdec.draft_sampling import DraftSampling
+from hitchllm_specdec.draft_sampling import DraftSampling, draft_seed
 
 logger = logging.getLogger(__name__)
 
@@ -225,11 +225,3 @@ class DraftModelProposer(Proposer):
         assert logits is not None
         return logits
 
-
-def draft_seed(seed: int) -> int:
-    """The seed of draft noise (a seeded request's, or the engine's for the others): a
-    function of the seed, never the seed itself. The target's sampler draws its noise from
-    ``seed``; the same stream here would make the noise that verifies one draft the noise
-    that chose a later one, and the accepted drafts' positions would then not follow ``q``
-    (biased output). An odd multiplier plus one has no fixed point modulo 2**64."""
-    return (seed * 0x9E3779B97F4A7C15 + 1) % 2**64

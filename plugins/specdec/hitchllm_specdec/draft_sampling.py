@@ -86,3 +86,12 @@ class DraftSampling:
             pad = logits.new_full((logits.shape[0], self.vocab_size - width), float("-inf"))
             return torch.cat([logits, pad], dim=-1)
         return logits
+
+
+def draft_seed(seed: int) -> int:
+    """The seed of draft noise (a seeded request's, or the engine's for the others): a
+    function of the seed, never the seed itself. The target's sampler draws its noise from
+    ``seed``; the same stream here would make the noise that verifies one draft the noise
+    that chose a later one, and the accepted drafts' positions would then not follow ``q``
+    (biased output). An odd multiplier plus one has no fixed point modulo 2**64."""
+    return (seed * 0x9E3779B97F4A7C15 + 1) % 2**64

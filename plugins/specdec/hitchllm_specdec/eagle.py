@@ -18,10 +18,10 @@ trains for that). Cost per ``propose``: the batch's entries are copied into one 
 [B, L] tensor (L the longest cache, at most ``max_model_len``), then one head forward and one
 LM-head matmul per draft step with a [B, L + step] masked attention; a Python loop over the
 requests gathers and stores their entries (not per token). Memory:
-``2 * kv_heads * head_dim * L`` values per request; caches of requests not seen for a while
-are evicted (least recently drafted first) beyond ``2 * max_num_seqs`` requests, and an
-evicted request starts over with an empty cache. None of this affects exactness (drafts are
-verified by the core), only acceptance.
+``2 * kv_heads * head_dim * L`` values per request, freed when the request finishes; caches
+of requests not seen for a while are evicted (least recently drafted first) beyond
+``2 * max_num_seqs`` requests, and an evicted request starts over with an empty cache. None
+of this affects exactness (drafts are verified by the core), only acceptance.
 
 Greedy requests get the head's argmax and no ``probs``; a request with temperature ``T > 0``
 gets drafts sampled from ``softmax(logits / T)`` with those probabilities. The drafts are drawn
@@ -39,6 +39,7 @@ import torch
 
 from hitchllm.config import EngineConfig, ModelConfig
 from hitchllm.speculative import Draft, DraftRequest, Proposal, ProposalBatch, Proposer
+from hitchllm_specdec.draft_sampling import draft_seed
 from hitchllm_specdec.eagle_head import CachedRows, EagleHead, build_head, read_head_config
 
 
@@ -113,7 +114,13 @@ class EagleProposer(Proposer):
         self.head = build_head(head, embed.forward, self.path, weight.device, weight.dtype)
         self.compute_logits = model.compute_logits
         self.generator = torch.Generator(weight.device)
-        self.generator.manual_seed(self.engine_config.seed or 0)
+        # Not the target sampler's stream (see draft_sampling.draft_seed).
+        self.generator.manual_seed(draft_seed(self.engine_config.seed or 0))
+
+    def remove_requests(self, request_ids: list[str]) -> None:
+        """Free the head caches of finished requests."""
+        for rid in request_ids:
+            self.caches.pop(rid, None)
 
     @torch.inference_mode()
     def propose(self, batch: ProposalBatch) -> Proposal:
