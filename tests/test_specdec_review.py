@@ -103,3 +103,27 @@ def test_eagle_draft_noise_is_not_the_target_samplers_stream(llama_path, tmp_pat
     target = torch.Generator().manual_seed(5)
     assert not torch.equal(torch.rand(16, generator=llm.engine.proposer.generator),
                            torch.rand(16, generator=target))
+
+
+def test_draft_model_eviction_keeps_a_seeded_requests_noise_stream(llama_path,
+                                                                   small_draft):  # noqa: F811
+    """A request evicted from the draft cache (idle while the pool ran short) recomputes its
+    K/V but must go on drawing fresh draft noise: restarting its seeded generator would draw
+    the noise of its earlier drafts again, which the context already depends on (drafts then
+    do not follow ``q``). Evicted or not, its drafts are the same."""
+    config = EngineConfig(model=llama_path, speculative_method="draft_model",
+                          speculative_model=small_draft, num_speculative_tokens=4, block_size=4)
+    kept, evicted = DraftModelProposer(config), DraftModelProposer(config)
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=50)
+    seq = [5, 17, 42]
+    for step in range(3):
+        batch = ProposalBatch([DraftRequest("s", list(seq), 3, 4, params)])
+        drafts = kept.propose(batch).drafts
+        assert drafts["s"].token_ids == evicted.propose(batch).drafts["s"].token_ids
+        # Another request takes every block: "s" (idle) is evicted.
+        cache = evicted.cache
+        other = cache.catch_up("other", [1])
+        assert cache.allocate(other, cache.num_blocks * cache.block_size, {"other"})
+        cache.free("other")
+        assert cache.num_free_blocks == cache.num_blocks
+        seq += [*drafts["s"].token_ids[:step], 3]

@@ -10,8 +10,9 @@ did not accept, and everything after it is recomputed (``catch_up``). Sequences 
 this comparison is all the bookkeeping a rollback needs.
 
 Blocks are freed when the engine says a request finished (``free``); when the pool runs short,
-the states of requests not being drafted for right now (preempted, or waiting a step) are
-evicted first, least recently used first.
+the blocks of requests not being drafted for right now (preempted, or waiting a step) are
+evicted first, least recently used first (their state, and its seeded generator, stays until
+the request finishes).
 """
 
 from __future__ import annotations
@@ -111,16 +112,26 @@ class DraftKVCache:
         if needed <= 0:
             return True
         if needed > self.num_free_blocks:
-            idle = sorted((s for s in self.states.values() if s.request_id not in busy),
+            idle = sorted((s for s in self.states.values()
+                           if s.request_id not in busy and s.blocks),
                           key=lambda s: s.last_used)
             for victim in idle:
                 if needed <= self.num_free_blocks:
                     break
-                self.free(victim.request_id)
+                self._evict(victim)
             if needed > self.num_free_blocks:
                 return False
         state.blocks += self.block_pool.get_new_blocks(needed)
         return True
+
+    def _evict(self, state: DraftState) -> None:
+        """Give an idle request's blocks back; it is recomputed when drafted for again. Its
+        generator stays: a seeded request must go on with fresh noise, not draw its earlier
+        drafts' noise again (its context depends on those drafts)."""
+        self.block_pool.free_blocks(reversed(state.blocks))
+        state.blocks = []
+        state.num_computed = state.num_context = 0
+        state.drafts = []
 
     def free(self, request_id: str) -> None:
         """Give the request's blocks back and forget it (unknown ids are ignored)."""
