@@ -127,3 +127,30 @@ def test_draft_model_eviction_keeps_a_seeded_requests_noise_stream(llama_path,
         cache.free("other")
         assert cache.num_free_blocks == cache.num_blocks
         seq += [*drafts["s"].token_ids[:step], 3]
+
+
+def test_draft_model_request_without_room_keeps_its_noise_stream(
+        llama_path, monkeypatch, small_draft):  # noqa: F811
+    """A seeded request that goes without drafts for a step because the draft cache is full
+    (every block held by requests drafted for) keeps its generator, like an evicted one: its
+    next drafts are those of a proposer where that step never happened."""
+    from hitchllm_specdec import draft_model
+
+    # 16 blocks of the small draft (K and V, 1 layer, 1 KV head of 16, 4 tokens, float32).
+    monkeypatch.setattr(draft_model, "DRAFT_KV_CACHE_CPU_BYTES", 16 * 2 * 16 * 4 * 4)
+    config = EngineConfig(model=llama_path, speculative_method="draft_model",
+                          speculative_model=small_draft, num_speculative_tokens=4, block_size=4,
+                          max_model_len=64)
+    short, reference = DraftModelProposer(config), DraftModelProposer(config)
+    assert short.cache.num_blocks == 16
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=50)
+    b = DraftRequest("b", [5, 17, 42], 3, 4, params)
+    for proposer in (short, reference):
+        proposer.propose(ProposalBatch([b]))
+    # A long request takes 14 blocks first; "b" holds 2 and needs a third: no drafts.
+    a = DraftRequest("a", list(range(100, 153)), 53, 4, greedy())
+    b = DraftRequest("b", [5, 17, 42, 8, 9, 10, 11], 3, 4, params)
+    assert set(short.propose(ProposalBatch([a, b])).drafts) == {"a"}
+    short.remove_requests(["a"])
+    drafts = [p.propose(ProposalBatch([b])).drafts["b"].token_ids for p in (short, reference)]
+    assert drafts[0] == drafts[1]

@@ -118,16 +118,17 @@ class DraftKVCache:
             for victim in idle:
                 if needed <= self.num_free_blocks:
                     break
-                self._evict(victim)
+                self.evict(victim)
             if needed > self.num_free_blocks:
                 return False
         state.blocks += self.block_pool.get_new_blocks(needed)
         return True
 
-    def _evict(self, state: DraftState) -> None:
-        """Give an idle request's blocks back; it is recomputed when drafted for again. Its
-        generator stays: a seeded request must go on with fresh noise, not draw its earlier
-        drafts' noise again (its context depends on those drafts)."""
+    def evict(self, state: DraftState) -> None:
+        """Give a request's blocks back (idle, or not drafted for this step); it is recomputed
+        when drafted for again. Its generator stays: a seeded request must go on with fresh
+        noise, not draw its earlier drafts' noise again (its context depends on those
+        drafts)."""
         self.block_pool.free_blocks(reversed(state.blocks))
         state.blocks = []
         state.num_computed = state.num_context = 0

@@ -187,7 +187,7 @@ class DraftModelProposer(Proposer):
                                              drafts, params))
                 states.append(state)
             else:
-                self.cache.free(r.request_id)
+                self.cache.evict(state)
         return requests, states
 
     def _catch_up(self, requests: list[DraftRequest], states: list[DraftState],
