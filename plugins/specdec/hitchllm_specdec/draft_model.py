@@ -224,4 +224,3 @@ class DraftModelProposer(Proposer):
             state.num_computed = int(end)
         assert logits is not None
         return logits
-

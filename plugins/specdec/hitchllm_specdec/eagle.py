@@ -25,8 +25,9 @@ of this affects exactness (drafts are verified by the core), only acceptance.
 
 Greedy requests get the head's argmax and no ``probs``; a request with temperature ``T > 0``
 gets drafts sampled from ``softmax(logits / T)`` with those probabilities. The drafts are drawn
-from one generator seeded with the engine's ``seed``, so a seeded request's output depends on
-the drafts, hence on what else ran in the engine before it (the output distribution does not).
+from one generator seeded from the engine's ``seed`` (not with it: see ``draft_seed``), so a
+seeded request's output depends on the drafts, hence on what else ran in the engine before it
+(the output distribution does not).
 """
 
 from __future__ import annotations
