@@ -40,6 +40,22 @@ def test_draft_model_drafts_when_the_new_token_equals_an_unverified_draft(
             seq += ids[: verified + 1]
 
 
+
+def test_draft_model_with_drafts_cut_by_the_step_budget_keeps_greedy_output(llama_path):
+    """End to end: a budget of 2 tokens per step verifies one draft of 3; the target's next
+    token is the second draft (the model drafts for itself), whose K/V the draft cache holds.
+    The draft model's catch-up raised (AssertionError) there and the request ended after 3 of
+    its 24 tokens."""
+    prompt = {"prompt_token_ids": [5, 17, 42, 3]}
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    options = dict(block_size=4, max_num_batched_tokens=2)
+    baseline = LLM(llama_path, **options).generate(prompt, params, use_tqdm=False)
+    llm = LLM(llama_path, speculative_method="draft_model", speculative_model=llama_path,
+              num_speculative_tokens=3, **options)
+    outs = llm.generate(prompt, params, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == baseline[0].outputs[0].token_ids
+    assert llm.engine.proposer.cache.stats.num_accepted > 0
+
 def test_draft_model_noise_of_a_seeded_request_is_not_the_target_samplers(llama_path,
                                                                           small_draft):  # noqa: F811
     """The rejection sampler draws a seeded row's noise (acceptance ``u = exp(-E[d_j])`` and
