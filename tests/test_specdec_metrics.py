@@ -115,6 +115,12 @@ def test_bad_speculative_options_are_explained(llama_path, options, message):
         EngineConfig(model=llama_path, speculative_method="ngram", **options)
 
 
+def test_drafts_without_a_method_are_refused(llama_path):
+    with pytest.raises(ValueError, match=r"num_speculative_tokens is 3 but no "
+                                         r"speculative_method is set"):
+        EngineConfig(model=llama_path, num_speculative_tokens=3)
+
+
 def test_unknown_method_lists_the_installed_ones(llama_path):
     with pytest.raises(ValueError, match=r"'medusa' is not provided.*installed: .*ngram"):
         LLM(llama_path, speculative_method="medusa", num_speculative_tokens=2)

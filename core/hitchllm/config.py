@@ -194,6 +194,12 @@ class EngineConfig(BaseModel):
                 f"prompt_lookup_min ({self.prompt_lookup_min}) is above prompt_lookup_max "
                 f"({self.prompt_lookup_max}); the n-gram sizes to match run from min to max"
             )
+        if self.num_speculative_tokens and not self.speculative_method:
+            raise ValueError(
+                f"num_speculative_tokens is {self.num_speculative_tokens} but no "
+                "speculative_method is set; set one (e.g. ngram, draft_model or eagle from "
+                "hitchllm-specdec) or drop num_speculative_tokens"
+            )
         if self.speculative_method and self.num_speculative_tokens == 0:
             raise ValueError(
                 "speculative_method is set but num_speculative_tokens is 0; set it to the "

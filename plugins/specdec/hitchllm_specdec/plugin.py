@@ -1,4 +1,5 @@
-"""The plugin's hook: the proposers it provides, imported when an engine asks for one."""
+"""The plugin's hook: the proposers it provides, imported when an engine asks for speculative
+decoding."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import importlib
 from hitchllm import hookimpl
 from hitchllm.speculative import Proposer
 
-# method name -> "module:class" inside this package; imported lazily so that loading the
-# plugin (every engine start) imports no proposer's dependencies.
+# method name -> "module:class" inside this package. The engine calls the hook only when
+# speculative_method is set, so loading the plugin (every engine start) imports no proposer.
 PROPOSERS = {
     "ngram": "ngram:NgramProposer",
     "eagle": "eagle:EagleProposer",
@@ -24,5 +25,6 @@ def load_proposer(name: str) -> type[Proposer]:
 
 @hookimpl
 def hitchllm_speculative_proposers() -> dict[str, type[Proposer]]:
-    """``ngram``: prompt lookup; ``eagle``: an EAGLE-style head (``speculative_model``)."""
+    """``ngram``: prompt lookup; ``draft_model``: a smaller model of the same vocabulary
+    (``speculative_model``); ``eagle``: an EAGLE-style head (``speculative_model``)."""
     return {name: load_proposer(name) for name in PROPOSERS}
