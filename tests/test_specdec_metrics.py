@@ -121,6 +121,13 @@ def test_drafts_without_a_method_are_refused(llama_path):
         EngineConfig(model=llama_path, num_speculative_tokens=3)
 
 
+def test_ngram_refuses_a_speculative_model(llama_path):
+    with pytest.raises(ValueError, match=r"the ngram proposer drafts from the request's own "
+                                         r"context and loads no model; drop speculative_model"):
+        LLM(llama_path, speculative_method="ngram", num_speculative_tokens=2,
+            speculative_model=llama_path)
+
+
 def test_unknown_method_lists_the_installed_ones(llama_path):
     with pytest.raises(ValueError, match=r"'medusa' is not provided.*installed: .*ngram"):
         LLM(llama_path, speculative_method="medusa", num_speculative_tokens=2)

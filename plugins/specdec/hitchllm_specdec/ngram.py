@@ -117,6 +117,13 @@ class NgramProposer(Proposer):
 
     def __init__(self, engine_config: EngineConfig) -> None:
         super().__init__(engine_config)
+        if engine_config.speculative_model is not None:
+            raise ValueError(
+                f"speculative_model={engine_config.speculative_model!r} is set, but the ngram "
+                "proposer drafts from the request's own context and loads no model; drop "
+                "speculative_model, or use speculative_method='draft_model' (a smaller model) "
+                "or 'eagle' (an EAGLE head)"
+            )
         self.min_n = engine_config.prompt_lookup_min
         self.max_n = engine_config.prompt_lookup_max
         self.contexts = ContextCache()
