@@ -12,6 +12,7 @@ import pytest
 import torch
 from hitchllm_specdec.draft_checkpoint import write_truncated_checkpoint
 from test_models_hf_parity import greedy, mixed_prompts, run
+from test_speculative import greedy_steps
 
 from hitchllm import LLM, SamplingParams
 from hitchllm.bundled_model import default_model_path
@@ -69,16 +70,8 @@ def test_self_drafting_is_exact_and_accepted(llama_path, feed_last_draft):
     baseline = run(LLM(llama_path, block_size=4), prompts)
     llm = speculative(llama_path, llama_path, k=3, block_size=4)
     llm.engine.proposer.feed_last_draft = feed_last_draft
-    steps = 0
-    for p in prompts:
-        llm.engine.add_request({"prompt_token_ids": p}, greedy())
-    outs = {}
-    while llm.engine.has_unfinished_requests():
-        steps += 1
-        for o in llm.engine.step():
-            if o.finished:
-                outs[o.request_id] = o.outputs[0].token_ids
-    assert [outs[k] for k in sorted(outs, key=int)] == baseline
+    outputs, steps = greedy_steps(llm, prompts)
+    assert outputs == baseline
     stats = llm.engine.proposer.cache.stats
     assert stats.num_drafts >= 3 * 3 * len(prompts)
     assert stats.acceptance_rate > 0.95, stats

@@ -125,6 +125,20 @@ def proposers(tmp_path, monkeypatch):
     return fake_specdec_plugin
 
 
+def greedy_steps(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], int]:
+    """Greedy outputs of ``prompts`` (in order) stepped through ``llm``'s engine by hand, and
+    how many engine steps that took."""
+    for p in prompts:
+        llm.engine.add_request({"prompt_token_ids": p}, greedy())
+    outs, steps = {}, 0
+    while llm.engine.has_unfinished_requests():
+        steps += 1
+        for o in llm.engine.step():
+            if o.finished:
+                outs[o.request_id] = o.outputs[0].token_ids
+    return [outs[k] for k in sorted(outs, key=int)], steps
+
+
 @pytest.mark.parametrize("method", ["oracle", "wrong", "repeat"])
 def test_greedy_output_is_unchanged_by_drafts(tiny_models, proposers, method):
     path = tiny_models["LlamaForCausalLM"]
@@ -132,16 +146,8 @@ def test_greedy_output_is_unchanged_by_drafts(tiny_models, proposers, method):
     baseline = run(LLM(path, block_size=4), prompts)
     proposers.ORACLE.update({tuple(p): out for p, out in zip(prompts, baseline)})
     llm = LLM(path, block_size=4, speculative_method=method, num_speculative_tokens=3)
-    steps = 0
-    for p in prompts:
-        llm.engine.add_request({"prompt_token_ids": p}, greedy())
-    outs = {}
-    while llm.engine.has_unfinished_requests():
-        steps += 1
-        for o in llm.engine.step():
-            if o.finished:
-                outs[o.request_id] = o.outputs[0].token_ids
-    assert [outs[k] for k in sorted(outs, key=int)] == baseline
+    outputs, steps = greedy_steps(llm, prompts)
+    assert outputs == baseline
     if method == "oracle":
         # 16 tokens: one from prefill, then 4 per step (3 accepted drafts + 1 bonus).
         assert steps <= 1 + 4 + 1
