@@ -1,12 +1,16 @@
 """Speculative decoding with ``draft_model``: per-output-token latency against no speculation,
 in the same run, over a sweep of batch sizes (to find where speculation stops paying).
 
-Target: the bundled model (``--model`` for another). Drafts (``--drafts``, comma-separated):
-``self`` (the target drafting for itself: the high-acceptance pair), ``layersN`` (the
-target's first N decoder layers, written by ``write_truncated_checkpoint``: a draft of
-another size that shares the vocabulary and often agrees), or a checkpoint path. Prompts are
-code-completion windows of the held-out stdlib text (tests/data/heldout_stdlib), greedy
-(``--temperature`` for sampling), ``--max-tokens`` new tokens each, EOS ignored.
+Target: the bundled model (``--model`` for another), or with ``--target-layers N`` that model
+deepened to N decoder layers by ``write_deepened_checkpoint`` (the added layers compute but add
+nothing: the same function at a higher cost per step, standing in for a larger model of the
+family, which does not exist offline). Drafts (``--drafts``, comma-separated): ``self`` (the
+target drafting for itself), ``base`` (``--model`` itself: with ``--target-layers``, a draft
+that agrees with the target and costs less per step, the pair speculation is for),
+``layersN`` (``--model``'s first N decoder layers, written by ``write_truncated_checkpoint``:
+a draft of another size that shares the vocabulary and often agrees), or a checkpoint path.
+Prompts are code-completion windows of the held-out stdlib text (tests/data/heldout_stdlib),
+greedy (``--temperature`` for sampling), ``--max-tokens`` new tokens each, EOS ignored.
 
 Per batch size B, B prompts run together through ``LLMEngine.step``; a request's time per
 output token (TPOT) is (finish time - first token time) / (tokens - 1), averaged over the
@@ -30,7 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from hitchllm_specdec.draft_checkpoint import write_truncated_checkpoint
+from hitchllm_specdec.draft_checkpoint import (
+    write_deepened_checkpoint,
+    write_truncated_checkpoint,
+)
 from results_md import append_results, entry_heading
 
 from hitchllm import LLM, SamplingParams
@@ -101,8 +108,10 @@ def pays_until(name: str, k: int, speedups: dict[int, float]) -> str:
     return f"- {name}, K={k}: faster up to batch {max(paying)}, slower from batch {losing[0]}"
 
 
-def draft_path(name: str, model: str, workdir: Path) -> str:
+def draft_path(name: str, model: str, target: str, workdir: Path) -> str:
     if name == "self":
+        return target
+    if name == "base":
         return model
     if name.startswith("layers"):
         return str(write_truncated_checkpoint(model, workdir / name, int(name[6:])))
@@ -119,6 +128,8 @@ def release() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=default_model_path())
+    parser.add_argument("--target-layers", type=int,
+                        help="deepen the target to this many layers (see the module docstring)")
     parser.add_argument("--drafts", default="self,layers4,layers2")
     parser.add_argument("--k", default="4", help="num_speculative_tokens values, e.g. 2,4")
     parser.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
@@ -141,7 +152,12 @@ def main() -> None:
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
                             ignore_eos=True, seed=0 if args.temperature else None)
 
-    llm = LLM(args.model, **engine_args)
+    tmp_dir = tempfile.TemporaryDirectory()
+    target = args.model
+    if args.target_layers:
+        target = str(write_deepened_checkpoint(args.model, Path(tmp_dir.name) / "target",
+                                               args.target_layers))
+    llm = LLM(target, **engine_args)
     prompts = code_prompts(llm.get_tokenizer(), max(batches), args.prompt_len)
     run_once(llm, prompts[: max(batches)], params)  # warm-up
     baseline = {b: measure(llm, prompts[:b], params, args.repeat) for b in batches}
@@ -151,11 +167,11 @@ def main() -> None:
     print(HEADER)
     rows = [HEADER]
     summaries: list[str] = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with tmp_dir as tmp:
         for name in args.drafts.split(","):
-            draft = draft_path(name, args.model, Path(tmp))
+            draft = draft_path(name, args.model, target, Path(tmp))
             for k in ks:
-                llm = LLM(args.model, speculative_method="draft_model", speculative_model=draft,
+                llm = LLM(target, speculative_method="draft_model", speculative_model=draft,
                           num_speculative_tokens=k, **engine_args)
                 run_once(llm, prompts[: max(batches)], params)  # warm-up
                 stats = llm.engine.proposer.cache.stats
@@ -177,8 +193,10 @@ def main() -> None:
                 release()
     print("\n".join(summaries))
     if args.results:
-        note = (f"(target {Path(args.model).name}, prompts of {args.prompt_len} held-out stdlib "
-                f"tokens, {args.max_tokens} new tokens, temperature {args.temperature}, "
+        deepened = f" deepened to {args.target_layers} layers" if args.target_layers else ""
+        note = (f"(target {Path(args.model).name}{deepened}, prompts of {args.prompt_len} "
+                f"held-out stdlib tokens, {args.max_tokens} new tokens, "
+                f"temperature {args.temperature}, "
                 f"device {args.device}{', eager' if args.enforce_eager else ''})")
         command = "python benchmarks/specdec_gpu.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()

@@ -34,7 +34,8 @@ def test_cuda_graph_runs_equal_eager_runs_exactly(tiny_models, arch):
     assert not eager.engine.executor.runner.graphs.captured
     replays = []
     replay = graphs.engine.executor.runner.graphs.replay
-    graphs.engine.executor.runner.graphs.replay = lambda size: replays.append(size) or replay(size)
+    graphs.engine.executor.runner.graphs.replay = (
+        lambda size, query_len=1: replays.append(size) or replay(size, query_len))
     for temperature in (0.0, 1.0):  # greedy, and seeded sampling (needs identical logits)
         assert _generate(graphs, prompts, temperature) == _generate(eager, prompts, temperature)
     assert {1, 2, 4, 8} <= set(replays)

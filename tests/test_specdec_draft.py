@@ -410,3 +410,83 @@ def test_gpu_draft_steps_replay_cuda_graphs(bundled_half):
         if draft == path:
             assert llm.engine.proposer.cache.stats.acceptance_rate > 0.9
         assert_no_draft_blocks_held(llm)
+
+
+@pytest.mark.gpu
+def test_gpu_draft_chain_equals_step_by_step_drafting():
+    """A greedy proposal runs as one graph (the draft chain); its drafts are the ones the
+    step-by-step draft forwards make (same kernels, so the same bits), and the output is
+    the non-speculative one."""
+    path = default_model_path()
+    gpu = dict(device="cuda", attention_backend="TRITON_ATTN", gpu_memory_utilization=0.3)
+    prompts = ["def add(a, b):\n", "import os\nimport sys\n", "class Engine:\n    def step"]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+    def drafts_and_output(chain: bool) -> tuple[list, list]:
+        llm = speculative(path, path, k=4, **gpu)
+        proposer = llm.engine.proposer
+        assert proposer.runner.chains.captured
+        chains = []
+        if chain:
+            run_chain = proposer.runner.run_chain
+            proposer.runner.run_chain = lambda *a: chains.append(a[0]) or run_chain(*a)
+        else:
+            proposer.runner.chain_size = lambda n: None
+        proposals = []
+        propose = proposer.propose
+        proposer.propose = lambda batch: proposals.append(propose(batch)) or proposals[-1]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert bool(chains) == chain
+        assert_no_draft_blocks_held(llm)
+        return ([{rid: d.token_ids for rid, d in p.drafts.items()} for p in proposals],
+                [o.outputs[0].token_ids for o in outs])
+
+    chained, out_chained = drafts_and_output(True)
+    stepped, out_stepped = drafts_and_output(False)
+    assert chained == stepped
+    assert out_chained == out_stepped
+
+
+@pytest.mark.gpu
+def test_gpu_verification_steps_replay_graphs_exactly(bundled_half):
+    """Verification steps (every request its newest token plus K drafts) replay graphs
+    captured per query length; the output equals the same engine's without graphs."""
+    path = default_model_path()
+    gpu = dict(device="cuda", attention_backend="TRITON_ATTN", gpu_memory_utilization=0.3)
+    prompts = ["def add(a, b):\n", "import os\nimport sys\n", "class Engine:\n    def step",
+               "for i in range(10):\n", "x = [", "return"]
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature, max_tokens=40, ignore_eos=True,
+                                seed=7 if temperature else None)
+        outs = []
+        for eager in (True, False):
+            llm = speculative(path, bundled_half, k=3, enforce_eager=eager, **gpu)
+            replays = []
+            graphs = llm.engine.executor.runner.graphs
+            replay = graphs.replay
+            graphs.replay = (lambda size, q=1, seen=replays, replay=replay:
+                             seen.append(q) or replay(size, q))
+            outs.append([o.outputs[0].token_ids
+                         for o in llm.generate(prompts, params, use_tqdm=False)])
+            assert (4 in replays) != eager
+        assert outs[0] == outs[1]
+
+
+def test_deepened_checkpoint_computes_the_same_function(tmp_path):
+    """The benchmark's costlier twin of the bundled model (added layers with zero output and
+    down projections) generates exactly what the bundled model generates, and a speculative
+    engine drafting for it with the bundled model accepts every greedy draft."""
+    from hitchllm_specdec.draft_checkpoint import write_deepened_checkpoint
+
+    path = default_model_path()
+    deep = write_deepened_checkpoint(path, tmp_path / "deep", 11)
+    assert json.loads((deep / "config.json").read_text())["num_hidden_layers"] == 11
+    prompts = ["def add(a, b):\n", "import os\n"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    base = [o.outputs[0].token_ids for o in LLM(path).generate(prompts, params, use_tqdm=False)]
+    llm = speculative(str(deep), path, k=3)
+    assert [o.outputs[0].token_ids
+            for o in llm.generate(prompts, params, use_tqdm=False)] == base
+    assert llm.engine.proposer.cache.stats.acceptance_rate == 1.0
+    with pytest.raises(ValueError, match="below the checkpoint's 8 layers"):
+        write_deepened_checkpoint(path, tmp_path / "shallow", 4)

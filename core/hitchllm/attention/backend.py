@@ -98,6 +98,11 @@ class CudaGraphSupport(enum.Enum):
     #: the host, and launch the same kernels with the same arguments for a given padded batch
     #: size whatever the values in the buffers.
     UNIFORM_DECODE = "uniform_decode"
+    #: As ``UNIFORM_DECODE``, and also batches where every request has the same number of new
+    #: tokens (speculative verification: each request's newest token plus its K drafts), which
+    #: are captured per query length as well. The builder's metadata for such a batch must
+    #: depend only on the padded batch size and the query length.
+    UNIFORM_BATCH = "uniform_batch"
 
 
 class AttentionImpl(ABC):
@@ -158,6 +163,13 @@ class AttentionBackend(ABC):
     priority: ClassVar[int] = 0
     #: Which batches the engine may capture into CUDA graphs with this backend.
     cuda_graph_support: ClassVar[CudaGraphSupport] = CudaGraphSupport.NEVER
+    #: Whether the impl reads a batch's sequence lengths, block table, query start locations
+    #: and slot mapping only from ``CommonAttentionMetadata``'s device tensors when it runs
+    #: (nothing derived from them on the host but a launch configuration that depends on the
+    #: batch's shape). Then one graph may run several decode steps, advancing the positions,
+    #: sequence lengths and slots on the device between them (the speculative drafter's
+    #: multi-step draft graphs).
+    reads_batch_on_device: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod

@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps.
+"""CUDA graphs for decode steps (and speculative verification steps).
 
 A decode step at batch size 256 launches a few hundred small kernels; launching them one by one
 from Python costs more than running them. The engine captures the model's forward once per
@@ -9,6 +9,11 @@ requests (token 0 at position 0, slot -1 so nothing is written, context length 0
 Graphs read their inputs from the model runner's persistent buffers (``StepBuffers``) and the
 attention backend's persistent metadata (see ``CudaGraphSupport``), so replay needs no
 re-capture. All graphs share one memory pool; the largest is captured first.
+
+With a backend that supports it (``CudaGraphSupport.UNIFORM_BATCH``), batches where every
+request has the same number ``q > 1`` of new tokens (a request's newest token and its K drafts)
+are captured too, per query length, at the sizes whose ``size * q`` tokens fit the step; their
+padding requests have ``q`` tokens each.
 """
 
 from __future__ import annotations
@@ -29,45 +34,59 @@ def default_capture_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """Captured decode forwards, one per padded batch size."""
+    """Captured forwards, one per (padded batch size, tokens per request)."""
 
-    def __init__(self, sizes: list[int]) -> None:
+    def __init__(self, sizes: list[int], query_lens: tuple[int, ...] = (1,),
+                 max_num_tokens: int | None = None) -> None:
         self.sizes = sorted(set(sizes))
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
+        self.query_lens = tuple(sorted(set(query_lens)))
+        limit = max_num_tokens or max(self.sizes, default=0)
+        # The capture sizes of each query length: those whose tokens fit one step.
+        self._sizes = {q: [s for s in self.sizes if s * q <= limit] for q in self.query_lens}
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[tuple[int, int], torch.Tensor] = {}
 
-    def padded_size(self, num_reqs: int) -> int | None:
-        """The smallest capture size that holds ``num_reqs`` requests (None: too many)."""
-        i = bisect.bisect_left(self.sizes, num_reqs)
-        return self.sizes[i] if i < len(self.sizes) else None
+    def padded_size(self, num_reqs: int, query_len: int = 1) -> int | None:
+        """The smallest capture size that holds ``num_reqs`` requests of ``query_len`` new
+        tokens each (None: too many, or no graphs for that query length)."""
+        sizes = self._sizes.get(query_len, [])
+        i = bisect.bisect_left(sizes, num_reqs)
+        return sizes[i] if i < len(sizes) else None
 
     def capture(
-        self, prepare: Callable[[int], None], forward: Callable[[int], torch.Tensor]
+        self, prepare: Callable[[int, int], None], forward: Callable[[int, int], torch.Tensor]
     ) -> None:
-        """Capture ``forward(size)`` for every size, after ``prepare(size)`` set up its inputs.
+        """Capture ``forward(size, query_len)`` for every size and query length, after
+        ``prepare(size, query_len)`` set up its inputs.
 
-        Each size runs once eagerly first, so lazy initialisation (kernel compilation, cuBLAS
+        Each runs once eagerly first, so lazy initialisation (kernel compilation, cuBLAS
         workspaces) happens outside the capture.
         """
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):
-            prepare(size)
-            forward(size)
+        # Largest token count first: later graphs reuse its memory from the shared pool.
+        keys = sorted(((s, q) for q, sizes in self._sizes.items() for s in sizes),
+                      key=lambda k: -k[0] * k[1])
+        for key in keys:
+            prepare(*key)
+            forward(*key)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._outputs[size] = forward(size)
-            self._graphs[size] = graph
+                self._outputs[key] = forward(*key)
+            self._graphs[key] = graph
         torch.cuda.synchronize()
-        logger.info("Captured CUDA graphs for %d decode batch sizes (%s..%s) in %.1f s",
-                    len(self.sizes), self.sizes[0], self.sizes[-1], time.perf_counter() - start)
+        logger.info("Captured %d CUDA graphs (batch sizes %s..%s, tokens per request %s) "
+                    "in %.1f s", len(keys), self.sizes[0], self.sizes[-1],
+                    "/".join(map(str, self.query_lens)), time.perf_counter() - start)
 
     @property
     def captured(self) -> bool:
         return bool(self._graphs)
 
-    def replay(self, size: int) -> torch.Tensor:
-        """Replay the graph of ``size``; returns its output buffer ([size, hidden])."""
-        self._graphs[size].replay()
-        return self._outputs[size]
+    def replay(self, size: int, query_len: int = 1) -> torch.Tensor:
+        """Replay the graph of ``size`` requests of ``query_len`` tokens; returns its output
+        buffer ([size * query_len, hidden])."""
+        key = (size, query_len)
+        self._graphs[key].replay()
+        return self._outputs[key]

@@ -151,6 +151,9 @@ class LLMEngine:
             or default_capture_sizes(min(config.max_num_seqs, max_num_tokens)),
             logits_processors=self.logits_processors,
             keep_hidden_states=self.proposer is not None and self.proposer.needs_hidden_states,
+            # Verification steps where every request has K drafts run from graphs too.
+            graph_query_lens=(1,) if self.proposer is None
+            else (1, 1 + config.num_speculative_tokens),
         )
         self.executor: Executor = InProcessExecutor(runner)
         self.num_kv_blocks = self._num_kv_blocks(memory_at_start)

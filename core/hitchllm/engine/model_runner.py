@@ -59,6 +59,7 @@ class ModelRunner:
         cuda_graph_sizes: list[int] | None = None,
         logits_processors: list[LogitsProcessor] | None = None,
         keep_hidden_states: bool = False,
+        graph_query_lens: tuple[int, ...] = (1,),
     ) -> None:
         self.model = model
         self.logits_processors = logits_processors or []
@@ -92,11 +93,15 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         # Uniform decode batches up to the largest size are padded to a capture size (and
         # replayed from a graph once ``capture_cuda_graphs`` ran), so eager and graph runs of
-        # the same batch launch the very same kernels.
-        graphs_possible = (device.type == "cuda"
-                           and backend.cuda_graph_support is CudaGraphSupport.UNIFORM_DECODE)
+        # the same batch launch the very same kernels. With a backend that allows it, so are
+        # batches of ``graph_query_lens`` tokens per request (speculative verification).
+        support = backend.cuda_graph_support
+        graphs_possible = device.type == "cuda" and support in (
+            CudaGraphSupport.UNIFORM_DECODE, CudaGraphSupport.UNIFORM_BATCH)
+        query_lens = graph_query_lens if support is CudaGraphSupport.UNIFORM_BATCH else (1,)
         sizes = [s for s in cuda_graph_sizes or [] if s <= min(max_num_seqs, max_num_tokens)]
-        self.graphs = DecodeGraphs(sizes) if graphs_possible and sizes else None
+        self.graphs = (DecodeGraphs(sizes, query_lens, max_num_tokens)
+                       if graphs_possible and sizes else None)
         self.sampler = Sampler()
         # The newest sampled token of each input-batch row, kept on the device for a next
         # step scheduled before the host has seen it.
@@ -137,7 +142,8 @@ class ModelRunner:
         is written; every block-table entry points at that block), which is freed again."""
         self.initialize_kv_cache(1)
         b = self.buffers
-        num_tokens = self.max_num_tokens
+        # The largest step the scheduler can plan: no request beyond max_model_len.
+        num_tokens = min(self.max_num_tokens, self.max_num_seqs * self.max_model_len)
         num_reqs = min(self.max_num_seqs, -(-num_tokens // self.max_model_len))
         lens = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int64)
         lens[: num_tokens % num_reqs] += 1
@@ -175,22 +181,24 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_cuda_graphs(self) -> None:
-        """Capture the decode forward at every graph size (after ``initialize_kv_cache``)."""
+        """Capture the forward at every graph size and query length (after
+        ``initialize_kv_cache``)."""
         if self.graphs is None:
             return
         b = self.buffers
 
-        def prepare(size: int) -> None:
+        def prepare(size: int, query_len: int) -> None:
             # A batch of padding requests: the graph's kernels do not depend on the values.
-            self.buffers.pad_decode_inputs(0, size)
+            self.buffers.pad_decode_inputs(0, size * query_len)
             common = self.buffers.common_metadata(
                 np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64),
                 np.zeros((0, 1), dtype=np.int32), 0, cuda_graph=True,
-                max_model_len=self.max_model_len, padded_reqs=size)
+                max_model_len=self.max_model_len, padded_reqs=size, pad_query_len=query_len)
             self._graph_metadata = self.builder.build(common)
 
-        def forward(size: int) -> torch.Tensor:
-            return self._eager_forward(b.input_ids.device[:size], b.positions.device[:size],
+        def forward(size: int, query_len: int) -> torch.Tensor:
+            tokens = size * query_len
+            return self._eager_forward(b.input_ids.device[:tokens], b.positions.device[:tokens],
                                        self._graph_metadata)
 
         self.graphs.capture(prepare, forward)
@@ -237,18 +245,19 @@ class ModelRunner:
         known = np.fromiter((s.num_tokens + len(d) for s, d in zip(states, drafts)),
                             dtype=np.int64, count=len(states))
         graph_size = None
-        if self.graphs is not None and len(num_sched) == int(num_sched.sum()):
-            graph_size = self.graphs.padded_size(len(num_sched))
+        query_len = int(num_sched[0])
+        if self.graphs is not None and (num_sched == query_len).all():
+            graph_size = self.graphs.padded_size(len(num_sched), query_len)
         sample_rows = [i for i, s in enumerate(plan.samples) if s]
         sampling = [(states[i], drafts[i]) for i in sample_rows]
         common, input_ids, positions, logits_idx = self._prepare_inputs(
-            rows, num_sched, num_computed, graph_size, known, sample_rows, sampling)
+            rows, num_sched, num_computed, graph_size, query_len, known, sample_rows, sampling)
         attn_metadata = self.builder.build(common)
         if self.before_forward is not None:
             self.before_forward(requests=states, num_scheduled_tokens=plan.num_scheduled_tokens,
                                 model=self.model)
         if graph_size is not None and self.graphs is not None and self.graphs.captured:
-            hidden = self._forward_graph(graph_size)
+            hidden = self.graphs.replay(graph_size, query_len)
         else:
             hidden = self._eager_forward(input_ids, positions, attn_metadata)
 
@@ -272,17 +281,14 @@ class ModelRunner:
         with set_forward_context(attn_metadata):
             return self.model(input_ids, positions)
 
-    def _forward_graph(self, size: int) -> torch.Tensor:
-        assert self.graphs is not None
-        return self.graphs.replay(size)
-
     def _prepare_inputs(
         self, rows: np.ndarray, num_sched: np.ndarray, num_computed: np.ndarray,
-        graph_size: int | None, known: np.ndarray, sample_rows: list[int],
+        graph_size: int | None, query_len: int, known: np.ndarray, sample_rows: list[int],
         sampling: list[tuple[RequestState, list[int]]],
     ) -> tuple[CommonAttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Fill the step buffers for this batch (padded to ``graph_size`` requests when
-        given: a uniform decode batch that runs as, or like, a CUDA graph) and copy them to
+        """Fill the step buffers for this batch (padded to ``graph_size`` requests of
+        ``query_len`` tokens when given: a uniform batch that runs as, or like, a CUDA graph)
+        and copy them to
         the device. ``known`` counts each row's tokens the host knows (the others are taken
         from the device). Also returns the indices of the tokens whose logits are sampled."""
         b = self.buffers
@@ -305,12 +311,12 @@ class ModelRunner:
         block_table = self.input_batch.block_table[rows, :num_cols]
         total_tokens = num_tokens
         if graph_size is not None:
-            self.buffers.pad_decode_inputs(num_tokens, graph_size)
-            total_tokens = graph_size
+            total_tokens = graph_size * query_len
+            self.buffers.pad_decode_inputs(num_tokens, total_tokens)
         common = self.buffers.common_metadata(
             num_sched, num_computed, block_table, num_tokens,
             cuda_graph=graph_size is not None, max_model_len=self.max_model_len,
-            padded_reqs=graph_size)
+            padded_reqs=graph_size, pad_query_len=query_len)
         input_ids = b.input_ids.to_device(total_tokens)
         pending = np.flatnonzero(positions >= known[token_req])
         if len(pending):

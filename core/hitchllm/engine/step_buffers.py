@@ -73,8 +73,8 @@ class StepBuffers:
         return self.block_table[:n]
 
     def pad_decode_inputs(self, start: int, size: int) -> None:
-        """Padding requests ``start..size-1`` of a decode batch: token 0 at position 0, slot
-        -1 (nothing written)."""
+        """Padding tokens ``start..size-1`` of a graph batch: token 0 at position 0, slot -1
+        (nothing written)."""
         self.input_ids.np[start:size] = 0
         self.positions.np[start:size] = 0
         self.slot_mapping.np[start:size] = -1
@@ -82,10 +82,12 @@ class StepBuffers:
     def common_metadata(
         self, num_sched: np.ndarray, num_computed: np.ndarray, block_table: np.ndarray,
         num_tokens: int, cuda_graph: bool, max_model_len: int, padded_reqs: int | None = None,
+        pad_query_len: int = 1,
     ) -> CommonAttentionMetadata:
         """Write the per-request buffers and describe the batch. Padding requests (up to
-        ``padded_reqs``) get one query token and a context length of 0; a CUDA-graph batch
-        declares ``max_model_len`` as its longest sequence (the graph serves any)."""
+        ``padded_reqs``) get ``pad_query_len`` query tokens and a context length of 0; a
+        CUDA-graph batch declares ``max_model_len`` as its longest sequence (the graph serves
+        any)."""
         num_reqs = len(num_sched)
         total_reqs = padded_reqs or num_reqs
         qsl = self.query_start_loc.np
@@ -96,7 +98,8 @@ class StepBuffers:
         self.num_computed.np[:num_reqs] = num_computed
         if total_reqs > num_reqs:
             num_pad = total_reqs - num_reqs
-            qsl[num_reqs + 1 : total_reqs + 1] = num_tokens + np.arange(1, num_pad + 1)
+            qsl[num_reqs + 1 : total_reqs + 1] = (num_tokens
+                                                  + pad_query_len * np.arange(1, num_pad + 1))
             seq_lens[num_reqs:total_reqs] = 0
             self.num_computed.np[num_reqs:total_reqs] = 0
         if len(block_table):
@@ -114,7 +117,8 @@ class StepBuffers:
             slot_mapping=self.slot_mapping.to_device(total_tokens),
             num_reqs=total_reqs,
             num_actual_tokens=total_tokens,
-            max_query_len=int(num_sched.max()) if num_reqs else 1,
+            max_query_len=max(int(num_sched.max()) if num_reqs else 1,
+                              pad_query_len if total_reqs > num_reqs else 1),
             max_seq_len=max_model_len if cuda_graph else max_seq_len,
             cuda_graph=cuda_graph,
         )

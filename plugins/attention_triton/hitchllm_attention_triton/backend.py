@@ -57,7 +57,9 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
     Decode batches need no tiles of their own (request i is tile i) and so reference only the
     engine's buffers, which makes them safe to capture into CUDA graphs; their configuration
     depends on the batch size and ``max_seq_len`` only (the engine's ``max_model_len`` for graph
-    batches).
+    batches). The tiles of a graph batch of ``q > 1`` tokens per request (speculative
+    verification) depend on its size and ``q`` only: they are computed once per shape and kept,
+    so a captured graph reads the same tensors on every replay.
     """
 
     def __init__(self, spec: AttentionSpec, device: torch.device) -> None:
@@ -68,6 +70,7 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
         # benchmark sets a whole launch configuration.
         self.force_num_splits: int | None = None
         self.kernel_override: KernelConfig | None = None
+        self._graph_tiles: dict[tuple[int, int, int], tuple[torch.Tensor, int]] = {}
 
     def build(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
         n = common.num_reqs
@@ -93,17 +96,31 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
             return metadata
         qsl = common.query_start_loc_cpu[: n + 1].numpy()
         q_lens = qsl[1:] - qsl[:-1]
-        tiles = -(-q_lens // kernel.block_q)
-        tile_req = np.repeat(np.arange(n, dtype=np.int32), tiles)
+        key = (n, common.max_query_len, kernel.block_q)
+        if common.cuda_graph and key in self._graph_tiles:
+            tiles, num_tiles = self._graph_tiles[key]
+        else:
+            tiles, num_tiles = self._tiles(q_lens, kernel.block_q)
+            if common.cuda_graph:
+                if (q_lens != common.max_query_len).any():
+                    raise ValueError("a CUDA-graph batch must have the same number of new "
+                                     f"tokens in every request; got {q_lens.tolist()}")
+                self._graph_tiles[key] = tiles, num_tiles
+        metadata.tile_req, metadata.tile_q0 = tiles[0], tiles[1]
+        metadata.num_tiles = num_tiles
+        return metadata
+
+    def _tiles(self, q_lens: np.ndarray, block_q: int) -> tuple[torch.Tensor, int]:
+        """The request and first query index of every query tile ([2, num_tiles] on the
+        device) and the number of tiles."""
+        tiles = -(-q_lens // block_q)
+        tile_req = np.repeat(np.arange(len(q_lens), dtype=np.int32), tiles)
         first_tile = np.cumsum(tiles) - tiles
-        tile_q0 = ((np.arange(len(tile_req)) - first_tile[tile_req]) * kernel.block_q)
+        tile_q0 = ((np.arange(len(tile_req)) - first_tile[tile_req]) * block_q)
         tiles_host = torch.from_numpy(np.stack([tile_req, tile_q0.astype(np.int32)]))
         if self.device.type == "cuda":
             tiles_host = tiles_host.pin_memory()
-        tiles = tiles_host.to(self.device, non_blocking=True)
-        metadata.tile_req, metadata.tile_q0 = tiles[0], tiles[1]
-        metadata.num_tiles = len(tile_req)
-        return metadata
+        return tiles_host.to(self.device, non_blocking=True), len(tile_req)
 
 
 class TritonAttentionImpl(AttentionImpl):
@@ -204,7 +221,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     name: ClassVar[str] = "TRITON_ATTN"
     priority: ClassVar[int] = 100
-    cuda_graph_support: ClassVar[CudaGraphSupport] = CudaGraphSupport.UNIFORM_DECODE
+    cuda_graph_support: ClassVar[CudaGraphSupport] = CudaGraphSupport.UNIFORM_BATCH
+    reads_batch_on_device: ClassVar[bool] = True
 
     @classmethod
     def validate(cls, spec: AttentionSpec) -> list[str]:

@@ -39,6 +39,13 @@ def choose_kernel_config(
         # tile does.
         block_n = (128 if kv_bytes == 1 else 64) if on_gpu else 16
         num_warps, num_stages = 4, 3
+    elif on_gpu and max_query_len <= 8:
+        # Speculative verification (a request's newest token and a few drafts): tiles sized to
+        # the query, as decode's are, instead of a prefill tile mostly of padding rows.
+        block_m = max(16, _pow2_at_least(max_query_len * group))
+        block_q = block_m // group
+        block_n = 128 if kv_bytes == 1 else 64
+        num_warps, num_stages = 4, 3
     else:
         block_m = 128 if on_gpu else 16
         block_m = max(block_m, _pow2_at_least(group))

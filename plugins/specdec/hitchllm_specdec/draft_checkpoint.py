@@ -77,9 +77,58 @@ def write_truncated_checkpoint(source: str | Path, destination: str | Path,
     family exists. Weights are read with the core's ``iterate_weights`` (any shard layout)
     and written as one ``model.safetensors``.
     """
+    from hitchllm.models.loader import iterate_weights
+
+    config = json.loads((Path(source) / "config.json").read_text())
+    if not 0 < num_layers <= config["num_hidden_layers"]:
+        raise ValueError(f"num_layers={num_layers} is not in 1..{config['num_hidden_layers']}")
+    kept = {name: tensor.contiguous() for name, tensor in iterate_weights(Path(source))
+            if _layer_index(name) is None or _layer_index(name) < num_layers}
+    return _write_derived(source, destination, num_layers, kept)
+
+
+def write_deepened_checkpoint(source: str | Path, destination: str | Path,
+                              num_layers: int, seed: int = 0) -> Path:
+    """Write ``source`` grown to ``num_layers`` decoder layers that compute the same function:
+    each added layer has random query/key/value and gate/up projections (the work of a real
+    layer) but zero output and down projections, so it adds nothing to the residual stream.
+
+    The pair (``source`` drafting for its deepened copy) stands for a target that costs more
+    per step than its draft while agreeing with it, the situation speculative decoding is
+    for, where no larger trained model of the family exists.
+    """
+    import torch
+
+    from hitchllm.models.loader import iterate_weights
+
+    config = json.loads((Path(source) / "config.json").read_text())
+    have = config["num_hidden_layers"]
+    if num_layers < have:
+        raise ValueError(f"num_layers={num_layers} is below the checkpoint's {have} layers")
+    weights = {name: tensor.contiguous() for name, tensor in iterate_weights(Path(source))}
+    generator = torch.Generator().manual_seed(seed)
+    template = {name.split(".layers.0.", 1)[1]: tensor for name, tensor in weights.items()
+                if _layer_index(name) == 0}
+    prefix = next(name.split(".layers.0.", 1)[0] for name in weights if _layer_index(name) == 0)
+    for layer in range(have, num_layers):
+        for suffix, like in template.items():
+            if "o_proj" in suffix or "down_proj" in suffix or suffix.endswith("bias"):
+                tensor = torch.zeros_like(like)
+            elif "norm" in suffix:
+                tensor = torch.ones_like(like)
+            else:
+                tensor = (torch.randn(like.shape, generator=generator) * 0.02).to(like.dtype)
+            weights[f"{prefix}.layers.{layer}.{suffix}"] = tensor
+    return _write_derived(source, destination, num_layers, weights)
+
+
+def _write_derived(source: str | Path, destination: str | Path, num_layers: int,
+                   weights: dict) -> Path:
+    """``source``'s files (tokenizer, generation config) and config with ``num_layers``
+    layers, and ``weights`` as one ``model.safetensors``, in ``destination``."""
     from safetensors.torch import save_file
 
-    from hitchllm.models.loader import iterate_weights, weight_files
+    from hitchllm.models.loader import weight_files
 
     source, destination = Path(source), Path(destination)
     destination.mkdir(parents=True, exist_ok=True)
@@ -88,13 +137,9 @@ def write_truncated_checkpoint(source: str | Path, destination: str | Path,
         if file.is_file() and file not in skipped and not file.name.endswith(".index.json"):
             shutil.copy(file, destination / file.name)
     config = json.loads((source / "config.json").read_text())
-    if not 0 < num_layers <= config["num_hidden_layers"]:
-        raise ValueError(f"num_layers={num_layers} is not in 1..{config['num_hidden_layers']}")
     config["num_hidden_layers"] = num_layers
     (destination / "config.json").write_text(json.dumps(config, indent=2))
-    kept = {name: tensor.contiguous() for name, tensor in iterate_weights(source)
-            if _layer_index(name) is None or _layer_index(name) < num_layers}
-    save_file(kept, str(destination / "model.safetensors"))
+    save_file(weights, str(destination / "model.safetensors"))
     return destination
 
 

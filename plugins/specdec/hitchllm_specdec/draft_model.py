@@ -24,6 +24,10 @@ Each step (``propose``), for every request asked:
    (``max_num_drafts``) leaves the batch early; with CUDA graphs one more step caches the
    last draft (``feed_last_draft``);
 3. one copy of all drafts to the host.
+
+Steps 1 and 2 of a greedy batch whose requests each lack only their newest token and take K
+drafts (the steady state) run as one CUDA graph, the draft runner's draft chain, when the
+attention backend allows it.
 """
 
 from __future__ import annotations
@@ -85,7 +89,7 @@ class DraftModelProposer(Proposer):
         self.runner.allocate_kv_cache(num_blocks)
         self.cache = DraftKVCache(num_blocks, cfg.block_size)
         if not cfg.enforce_eager:
-            self.runner.capture_cuda_graphs()
+            self.runner.capture_cuda_graphs(self.num_speculative_tokens, self.vocab_size)
         # With graphs, one more replay caches the last draft too: then whatever the target
         # accepts, the next catch-up is one token per request (uniform, from a graph) instead
         # of an eager forward of two when every draft was accepted. Eagerly it would cost a
@@ -134,6 +138,11 @@ class DraftModelProposer(Proposer):
             [r.sampling_params for r in requests], [s.generator for s in states],
             self.generator, self.vocab_size, self.device)
 
+        chain = self._chain_size(states, lengths, limits, sampling)
+        if chain is not None:
+            newest = np.array([r.token_ids[-1] for r in requests], dtype=np.int64)
+            tokens = self.runner.run_chain(chain, newest, lengths - 1, block_table)
+            return self._proposal(requests, states, tokens, None, limits, lengths, sampling)
         logits = self._catch_up(requests, states, block_table)
         num_steps = int(limits[0])
         tokens = torch.zeros(n, num_steps, dtype=torch.int64, device=self.device)
@@ -155,6 +164,24 @@ class DraftModelProposer(Proposer):
                           torch.from_numpy(limits - 1).to(self.device)]
             self.runner.forward(np.ones(n, dtype=np.int64), lengths + limits - 1, block_table,
                                 device_token_ids=last)
+        return self._proposal(requests, states, tokens, probs, limits, lengths, sampling)
+
+    def _chain_size(self, states: list[DraftState], lengths: np.ndarray, limits: np.ndarray,
+                    sampling: DraftSampling) -> int | None:
+        """The draft-chain graph for this proposal, if it can run as one: every request
+        greedy, lacking only its newest token, taking all K drafts."""
+        if not (self.feed_last_draft and sampling.all_greedy
+                and (limits == self.num_speculative_tokens).all()):
+            return None
+        if any(s.num_computed != end - 1 for s, end in zip(states, lengths, strict=True)):
+            return None
+        return self.runner.chain_size(len(states))
+
+    def _proposal(self, requests: list[DraftRequest], states: list[DraftState],
+                  tokens: torch.Tensor, probs: torch.Tensor | None, limits: np.ndarray,
+                  lengths: np.ndarray, sampling: DraftSampling) -> Proposal:
+        """Copy the drafts to the host, record what the draft cache now holds, and package
+        them."""
         drafts = tokens.tolist()
         proposal = {}
         for i, (r, state) in enumerate(zip(requests, states, strict=True)):

@@ -7,6 +7,13 @@ a batch, and ``DecodeGraphs`` for CUDA graphs. A forward takes any mix of query 
 catch-up over the tokens a request gained) and returns the logits at each request's last
 token; batches of one token per request (the draft steps) are padded to a capture size and
 replayed from a CUDA graph once ``capture_cuda_graphs`` ran, when the backend allows it.
+
+With a backend that reads the batch from the device (``reads_batch_on_device``), a whole
+greedy proposal is also captured as one graph per batch size, a *draft chain*: the catch-up
+forward of each request's newest token, then K - 1 draft steps and the forward that caches the
+last draft, each fed the argmax of the step before, with positions, sequence lengths and slots
+advanced on the device in between. One replay then replaces K + 1 forwards and their host
+work.
 """
 
 from __future__ import annotations
@@ -50,10 +57,17 @@ class DraftRunner:
         self.kv_cache_specs: list[KVCacheSpec] = [
             layer.get_kv_cache_spec(spec.block_size, spec.kv_cache_dtype) for layer in self.layers
         ]
-        graphs_possible = (device.type == "cuda"
-                           and backend.cuda_graph_support is CudaGraphSupport.UNIFORM_DECODE)
+        graphs_possible = device.type == "cuda" and backend.cuda_graph_support in (
+            CudaGraphSupport.UNIFORM_DECODE, CudaGraphSupport.UNIFORM_BATCH)
         sizes = [s for s in graph_sizes if s <= min(max_num_seqs, max_num_tokens)]
         self.graphs = DecodeGraphs(sizes) if graphs_possible and sizes else None
+        self.chains = (DecodeGraphs(sizes) if self.graphs is not None
+                       and backend.reads_batch_on_device else None)
+        self.chain_drafts = 0
+        # Which rows of a chain batch are requests (the others are padding: never written).
+        self._real_rows = torch.zeros(max_num_seqs, dtype=torch.bool, device=device)
+        self._row_index = torch.arange(max_num_seqs, device=device)
+        self.vocab_size: int | None = None
         self._inputs_copied: torch.cuda.Event | None = None
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -67,27 +81,91 @@ class DraftRunner:
             layer.bind(impl, cache)
 
     @torch.inference_mode()
-    def capture_cuda_graphs(self) -> None:
-        """Capture the one-token-per-request forward at every graph size (no-op without)."""
+    def capture_cuda_graphs(self, num_drafts: int, vocab_size: int) -> None:
+        """Capture the one-token-per-request forward at every graph size, and the draft chain
+        of ``num_drafts`` greedy drafts (over the target's ``vocab_size``) where the backend
+        allows it (no-op without graphs)."""
         if self.graphs is None:
             return
         b = self.buffers
 
-        def prepare(size: int) -> None:
+        def prepare(size: int, query_len: int) -> None:
             b.pad_decode_inputs(0, size)
             b.input_ids.to_device(size)
             b.positions.to_device(size)
+            b.slot_mapping.to_device(size)
             common = b.common_metadata(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64),
                                        np.zeros((0, 1), dtype=np.int32), 0, cuda_graph=True,
                                        max_model_len=self.max_model_len, padded_reqs=size)
+            self._real_rows[:size] = False
             self._graph_metadata = self.builder.build(common)
 
-        def forward(size: int) -> torch.Tensor:
+        def forward(size: int, query_len: int) -> torch.Tensor:
             with set_forward_context(self._graph_metadata):
                 return self.model(b.input_ids.device[:size], b.positions.device[:size])
 
         self.graphs.capture(prepare, forward)
+        if self.chains is not None and num_drafts > 0:
+            self.chain_drafts, self.vocab_size = num_drafts, vocab_size
+            self.chains.capture(prepare, lambda size, _: self._chain(size))
         del self._graph_metadata
+
+    def _chain(self, size: int) -> torch.Tensor:
+        """The draft chain over the batch in the buffers (see the module docstring): the
+        ``[size, chain_drafts]`` greedy drafts."""
+        b = self.buffers
+        ids, positions = b.input_ids.device[:size], b.positions.device[:size]
+        seq_lens, slots = b.seq_lens.device[:size], b.slot_mapping.device[:size]
+        rows, real = self._row_index[:size], self._real_rows[:size]
+        drafts = []
+        for step in range(self.chain_drafts + 1):
+            if step:
+                ids.copy_(drafts[-1])
+                positions.add_(1)
+                seq_lens.add_(1)
+                block = b.block_table[rows, positions // self.block_size].to(torch.int64)
+                slot = block * self.block_size + positions % self.block_size
+                slots.copy_(torch.where(real, slot, -1))
+            with set_forward_context(self._graph_metadata):
+                hidden = self.model(ids, positions)
+            if step < self.chain_drafts:
+                logits = self.model.compute_logits(hidden)
+                drafts.append(logits[:, : self.vocab_size].argmax(dim=-1))
+        return torch.stack(drafts, dim=1)
+
+    def chain_size(self, num_reqs: int) -> int | None:
+        """The chain graph that holds ``num_reqs`` requests (None: none captured)."""
+        if self.chains is None or not self.chains.captured:
+            return None
+        return self.chains.padded_size(num_reqs)
+
+    @torch.inference_mode()
+    def run_chain(self, size: int, token_ids: np.ndarray, num_computed: np.ndarray,
+                  block_table: np.ndarray) -> torch.Tensor:
+        """Replay the draft chain of ``size`` for requests whose newest token
+        (``token_ids[i]``, at position ``num_computed[i]``) is the only one their cache
+        lacks; ``block_table`` must reach ``chain_drafts`` positions further. Returns the
+        ``[n, chain_drafts]`` drafts on the device."""
+        b = self.buffers
+        if self._inputs_copied is not None:
+            self._inputs_copied.synchronize()
+        n = len(token_ids)
+        last = num_computed + self.chain_drafts
+        blocks = block_table[np.arange(n), num_computed // self.block_size].astype(np.int64)
+        b.input_ids.np[:n] = token_ids
+        b.positions.np[:n] = num_computed
+        b.slot_mapping.np[:n] = blocks * self.block_size + num_computed % self.block_size
+        b.pad_decode_inputs(n, size)
+        num_cols = -(-int(last.max() + 1) // self.block_size)
+        b.common_metadata(np.ones(n, dtype=np.int64), num_computed, block_table[:, :num_cols],
+                          n, cuda_graph=True, max_model_len=self.max_model_len,
+                          padded_reqs=size)
+        b.input_ids.to_device(size)
+        b.positions.to_device(size)
+        self._real_rows[:size].copy_(self._row_index[:size] < n)
+        self._inputs_copied = torch.cuda.Event()
+        self._inputs_copied.record()
+        return self.chains.replay(size)[:n]
 
     @torch.inference_mode()
     def forward(
