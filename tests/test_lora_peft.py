@@ -12,10 +12,10 @@ from hitchllm import LLM, LoRARequest, SamplingParams
 
 MAX_NEW = 8
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# name -> (rank, target modules, extra LoraConfig arguments): different ranks and target
+# name -> (rank, target modules, extra write_adapter arguments): different ranks and target
 # sets, one with rslora scaling (alpha / sqrt(r)).
 ADAPTERS = {
-    "attn-qv": (4, ["q_proj", "v_proj"], {}),
+    "attn-qv": (4, r".*\.(q_proj|v_proj)", {}),  # PEFT's regex form of target_modules
     "all-rslora": (8, ALL_TARGETS, {"use_rslora": True}),
     "mlp-ko": (2, ["k_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], {"alpha": 9}),
 }
@@ -93,3 +93,24 @@ def test_chat_takes_a_lora_request(model_and_adapters):
                              lora_request=lora)[0]
     assert chat.outputs[0].token_ids == generated.outputs[0].token_ids
     assert chat.outputs[0].token_ids == peft_greedy(peft_model(base, paths["attn-qv"]), ids, 4)
+
+
+@pytest.mark.gpu
+def test_mixed_adapter_decode_under_cuda_graphs_matches_peft(tiny_models, tmp_path):
+    """On CUDA, decode steps replay graphs captured before any adapter was active: they read
+    the pools and the per-token slots written in place."""
+    base = tiny_models["LlamaForCausalLM"]
+    paths = {name: write_adapter(base, tmp_path / name, rank, targets, seed=i + 1, **extra)
+             for i, (name, (rank, targets, extra)) in enumerate(ADAPTERS.items())}
+    names = [*paths, None, *paths]
+    prompts = mixed_prompts(4, lengths=(5, 17, 3, 9, 12, 1, 30))
+    llm = LLM(base, device="cuda", dtype="float32", enable_lora=True, max_loras=2,
+              max_lora_rank=8)
+    assert llm.engine.executor.runner.graphs is not None
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW),
+                        lora_request=[None if n is None else LoRARequest(n, i + 1, paths[n])
+                                      for i, n in enumerate(names)], use_tqdm=False)
+    for name, prompt, out in zip(names, prompts, outs):
+        model = peft_model(base, None if name is None else paths[name])
+        assert out.outputs[0].token_ids == peft_greedy(model, prompt, MAX_NEW), name
