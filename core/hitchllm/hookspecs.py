@@ -198,7 +198,9 @@ def hitchllm_request_added(request: Request, engine_config: EngineConfig) -> Non
     Raise ``ValueError`` with a message saying what to change to reject the request (for
     example the LoRA plugin rejects an adapter it cannot load); the request is then not queued
     and nothing else is affected. ``request.lora_request`` holds whatever the caller passed as
-    ``lora_request`` (``None`` if nothing). The return value is ignored.
+    ``lora_request`` (``None`` if nothing); the core refuses one unless ``enable_lora`` is set,
+    and the LoRA plugin replaces it with the adapter's full ``LoRARequest`` (a request may
+    name a loaded adapter without its path). The return value is ignored.
     """
 
 
@@ -251,8 +253,9 @@ def hitchllm_block_hash_extra_keys(request: Request) -> tuple[Any, ...] | None:
     """Return extra values that must enter every KV block hash of ``request``.
 
     Called when a request's block hashes are computed for prefix caching. Two requests share
-    cached blocks only if every plugin returns equal keys for both (e.g. the LoRA plugin returns
-    the adapter name, so blocks computed under different adapters are never shared). Return
+    cached blocks only if every plugin returns equal keys for both. (The core already keys
+    every block by ``request.lora_name``; the LoRA plugin adds the adapter's directory, so a
+    name bound to another directory later never reuses the old blocks.) Return
     ``None`` when the plugin has nothing to add. Values must be str, int or None so hashes stay
     deterministic across processes.
     """
