@@ -189,3 +189,24 @@ def test_a_slot_is_never_taken_from_a_running_request_not_scheduled_this_step():
     assert cache.reads == ["x", "y", "z"]
     with pytest.raises(RuntimeError, match="admission gate"):
         slots.prepare([y], [1], running=[x, z, y])
+
+
+def test_preempted_requests_give_up_their_adapter_and_resume_correctly(adapters):
+    """A KV cache too small for every request at once preempts (and recomputes) some of
+    them; each preemption releases its adapter in the gate, and every request still comes
+    out as PEFT's."""
+    base, paths = adapters
+    names = ["ad0", "ad1", "ad2", "ad0", None, "ad1"]
+    prompts = mixed_prompts(9, lengths=(14, 11, 13, 9, 12, 10))
+    llm = LLM(base, enable_lora=True, max_loras=2, max_lora_rank=4, block_size=4,
+              num_kv_blocks=12, enable_prefix_caching=False)
+    n = 12
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(n), use_tqdm=False,
+                        lora_request=[None if m is None else LoRARequest(m, 1, paths[m])
+                                      for m in names])
+    assert llm.engine.stats().num_preemptions > 0
+    assert not manager_for(llm.engine.config).gate.running  # every admission released
+    oracles = {m: peft_model(base, paths.get(m)) for m in set(names)}
+    for name, prompt, out in zip(names, prompts, outs):
+        assert out.outputs[0].token_ids == peft_greedy(oracles[name], prompt, n), name
+    assert llm.engine.kv_cache.usage == 0

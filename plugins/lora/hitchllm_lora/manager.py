@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import weakref
 
+import torch
 from torch import nn
 
 from hitchllm.config import EngineConfig
@@ -23,6 +24,7 @@ from hitchllm_lora.slots import AdapterSlots
 from hitchllm_lora.targets import find_targets
 
 _MODEL_ATTRIBUTE = "hitchllm_lora_manager"
+_ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # id(engine config) -> its manager. A manager holds its config, so the id cannot be reused
 # while the entry lives; the entry goes with the manager (which the model holds).
 _MANAGERS: weakref.WeakValueDictionary[int, LoRAManager] = weakref.WeakValueDictionary()
@@ -34,7 +36,9 @@ class LoRAManager:
 
     def __init__(self, model: nn.Module, engine_config: EngineConfig) -> None:
         self.engine_config = engine_config
-        param = next(model.parameters())
+        # The activations' dtype: that of the unquantized parameters (quantized layers may
+        # hold int8 or fp8 weights).
+        param = next(p for p in model.parameters() if p.dtype in _ACTIVATION_DTYPES)
         dtype, device = param.dtype, param.device
         found = find_targets(model)
         if not found:
