@@ -11,6 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 from hitchllm_lora import manager_for
+from hitchllm_lora.adapter import LoRAAdapter
+from hitchllm_lora.cache import AdapterCache
 from lora_reference import write_adapter
 
 from hitchllm import LLM, EngineConfig, LoRARequest, SamplingParams
@@ -161,3 +163,21 @@ def test_lora_flags_reach_the_engine_config(base):
     config = EngineConfig(**engine_kwargs(args))
     assert (config.enable_lora, config.max_loras, config.max_lora_rank,
             config.max_cpu_loras) == (True, 4, 32, 8)
+
+
+def test_host_cache_evicts_the_least_recently_used_adapter():
+    reads: list[str] = []
+
+    def read(request: LoRARequest) -> LoRAAdapter:
+        reads.append(request.lora_name)
+        return LoRAAdapter(request, rank=1, scaling=1.0, weights={})
+
+    cache = AdapterCache(capacity=2, read=read)
+    a, b, c = (LoRARequest(n, i + 1, f"/adapters/{n}") for i, n in enumerate("abc"))
+    for request in (a, b, a, c):  # a used again after b: b is the least recently used
+        cache.add(request)
+    assert cache.is_loaded(a) and cache.is_loaded(c) and not cache.is_loaded(b)
+    assert cache.names() == ["a", "b", "c"]  # evicted from memory, still known by name
+    cache.get(b)  # read again from its directory; now a is the least recently used
+    assert reads == ["a", "b", "c", "b"] and not cache.is_loaded(a)
+    assert cache.num_evictions == 2

@@ -79,8 +79,11 @@ class AdapterCache:
         resolved = self.resolve(request)
         self.get(resolved)
         with self._lock:
-            self._known.setdefault(resolved.lora_name, resolved)
-        return resolved
+            known = self._known.setdefault(resolved.lora_name, resolved)
+        if known is not resolved and known.lora_path != resolved.lora_path:
+            # Another thread bound the name to another directory meanwhile.
+            return self.resolve(request)
+        return known
 
     def remove(self, name: str) -> None:
         """Forget adapter ``name`` and free its host memory; ``ValueError`` if unknown."""
