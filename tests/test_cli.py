@@ -183,8 +183,7 @@ def test_engine_config_errors_are_one_clean_line_per_field(llama_path):
 
 
 @pytest.mark.parametrize("name, value", [
-    ("tensor_parallel_size", 2), ("pipeline_parallel_size", 2), ("enable_lora", True),
-    ("trust_remote_code", True), ("max_loras", 1),
+    ("tensor_parallel_size", 2), ("pipeline_parallel_size", 2), ("trust_remote_code", True),
 ])
 def test_vllm_arguments_not_supported_yet_are_refused_by_name(llama_path, name, value):
     with pytest.raises(ValueError, match=f"^{name} is not supported yet by hitchllm"):

@@ -60,7 +60,9 @@ def hitchllm_block_hash_extra_keys(request):
 
 @pytest.fixture
 def plugin(tmp_path, monkeypatch):
-    install_fake_plugin(tmp_path / "site", monkeypatch, "hitchllm-fake-hooks", "0.1",
+    # Distributed as the LoRA plugin, so that an engine with enable_lora accepts it as the one
+    # that serves adapters (the request tests load only this plugin, not the real one).
+    install_fake_plugin(tmp_path / "site", monkeypatch, "hitchllm-lora", "0.1",
                         "fake_hooks_plugin", PLUGIN)
     import fake_hooks_plugin
 
@@ -84,8 +86,10 @@ def test_unknown_quantization_method_lists_installed(plugin, llama_path):
         LLM(llama_path, quantization="int3")
 
 
-def test_request_hooks_route_adapters_and_separate_prefix_cache(plugin, llama_path):
-    llm = LLM(llama_path, block_size=4)
+def test_request_hooks_route_adapters_and_separate_prefix_cache(plugin, llama_path,
+                                                                 monkeypatch):
+    monkeypatch.setenv("HITCHLLM_PLUGINS", "fake_hooks_plugin")
+    llm = LLM(llama_path, block_size=4, enable_lora=True)
     prompt = {"prompt_token_ids": mixed_prompts(3, lengths=(20,))[0]}
     a = SimpleNamespace(lora_name="a")
     b = SimpleNamespace(lora_name="b")
@@ -99,8 +103,9 @@ def test_request_hooks_route_adapters_and_separate_prefix_cache(plugin, llama_pa
     assert ("before_forward", ["b"], [20]) in forwards
 
 
-def test_request_rejected_by_a_plugin_is_not_queued(plugin, llama_path):
-    llm = LLM(llama_path)
+def test_request_rejected_by_a_plugin_is_not_queued(plugin, llama_path, monkeypatch):
+    monkeypatch.setenv("HITCHLLM_PLUGINS", "fake_hooks_plugin")
+    llm = LLM(llama_path, enable_lora=True)
     with pytest.raises(ValueError, match="adapter 'missing'"):
         llm.generate(["x", "y"], greedy(2), use_tqdm=False,
                      lora_request=[None, SimpleNamespace(lora_name="missing")])

@@ -1,7 +1,7 @@
 """hitchllm: an LLM inference and serving engine, a small core plus installable plugins.
 
-``from hitchllm import LLM, SamplingParams, hookimpl``; ``LLM()`` with no model loads the bundled
-default model (``default_model_path()``).
+``from hitchllm import LLM, SamplingParams, LoRARequest, hookimpl``; ``LLM()`` with no model
+loads the bundled default model (``default_model_path()``).
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from hitchllm.bundled_model import default_model_path
+from hitchllm.lora import LoRARequest
 from hitchllm.outputs import CompletionOutput, Logprob, RequestOutput
 from hitchllm.plugins import hookimpl
 from hitchllm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -25,6 +26,7 @@ __all__ = [
     "CompletionOutput",
     "EngineConfig",
     "LLMEngine",
+    "LoRARequest",
     "Logprob",
     "RequestOutput",
     "SamplingParams",

@@ -145,6 +145,14 @@ class EngineConfig(BaseModel):
     # against earlier context.
     prompt_lookup_min: int = Field(1, ge=1)
     prompt_lookup_max: int = Field(4, ge=1)
+    # LoRA adapters (served by the hitchllm-lora plugin): requests may name one with
+    # ``lora_request``. ``max_loras`` adapters are active in device memory at once (requests
+    # of others wait), of rank up to ``max_lora_rank``; ``max_cpu_loras`` (default:
+    # ``max_loras``) stay loaded in host memory, least recently used evicted first.
+    enable_lora: bool = False
+    max_loras: int = Field(1, ge=1)
+    max_lora_rank: int = Field(16, ge=1)
+    max_cpu_loras: int | None = Field(None, ge=1)
     # CUDA: run every step eagerly instead of replaying captured CUDA graphs for decode.
     enforce_eager: bool = False
     # CUDA: compile the model's elementwise ops (norms, residual adds, rotary, activation)
@@ -206,6 +214,29 @@ class EngineConfig(BaseModel):
                 "number of draft tokens per step (e.g. 3)"
             )
         return self
+
+    @model_validator(mode="after")
+    def _check_lora(self) -> EngineConfig:
+        lora_fields = sorted({"max_loras", "max_lora_rank", "max_cpu_loras"}
+                             & self.model_fields_set)
+        if lora_fields and not self.enable_lora:
+            raise ValueError(
+                f"{', '.join(lora_fields)} set but enable_lora is off; set enable_lora=True "
+                f"(--enable-lora) to serve LoRA adapters, or drop {', '.join(lora_fields)}"
+            )
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) is below max_loras ({self.max_loras}): "
+                "every adapter active on the device is also kept in host memory; raise "
+                "max_cpu_loras or lower max_loras"
+            )
+        return self
+
+    @property
+    def cpu_lora_capacity(self) -> int:
+        """How many adapters stay loaded in host memory (``max_cpu_loras``, default
+        ``max_loras``)."""
+        return self.max_cpu_loras or self.max_loras
 
     @model_validator(mode="after")
     def _check_kv_scales(self) -> EngineConfig:

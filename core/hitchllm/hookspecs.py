@@ -14,7 +14,8 @@ Hooks are grouped by the engine's lifecycle:
 1. Discovery (when an engine is built or backends are listed): what a plugin provides.
 2. Model load (once per engine): after the weights are in place, the fp8 KV-cache scales, and
    the logits processors.
-3. Per request: identity that must enter prefix-cache keys.
+3. Per request: validation when a request is added, admission to the running requests,
+   per-step state before the forward pass, identity that must enter prefix-cache keys.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
+    from collections.abc import Collection
+
     import torch
 
     from hitchllm.attention.backend import AttentionBackend
@@ -31,6 +34,7 @@ if TYPE_CHECKING:
     from hitchllm.engine.input_batch import RequestState
     from hitchllm.logits_processor import LogitsProcessor
     from hitchllm.request import Request
+    from hitchllm.scheduler.admission import AdmissionGate
     from hitchllm.speculative import Proposer
 
 hookspec = pluggy.HookspecMarker("hitchllm")
@@ -194,13 +198,33 @@ def hitchllm_request_added(request: Request, engine_config: EngineConfig) -> Non
     Raise ``ValueError`` with a message saying what to change to reject the request (for
     example the LoRA plugin rejects an adapter it cannot load); the request is then not queued
     and nothing else is affected. ``request.lora_request`` holds whatever the caller passed as
-    ``lora_request`` (``None`` if nothing). The return value is ignored.
+    ``lora_request`` (``None`` if nothing); the core refuses one unless ``enable_lora`` is set,
+    and the LoRA plugin replaces it with the adapter's full ``LoRARequest`` (a request may
+    name a loaded adapter without its path). The return value is ignored.
+    """
+
+
+@hookspec
+def hitchllm_admission_gates(engine_config: EngineConfig) -> list[AdmissionGate]:
+    """Return the admission gates this plugin provides for one engine.
+
+    Called once per engine, after ``hitchllm_model_loaded``, when the scheduler is built.
+    Each step the scheduler asks every gate's ``may_admit(request)`` before it moves a
+    waiting request to the running ones; a request any gate refuses stays waiting, keeps its
+    place in the queue, and is asked about again next step, while the requests behind it may
+    be admitted. Gates are told of every request that joins (``admitted``) and leaves
+    (``released``: finished, aborted, preempted) the running set, so they can keep counts.
+    A gate must only delay: with no request running it must admit, and a request it could
+    never admit must be refused in ``hitchllm_request_added`` instead. See
+    ``hitchllm.scheduler.admission.AdmissionGate``. The LoRA plugin's gate holds a request
+    back while every adapter slot serves running requests of other adapters.
     """
 
 
 @hookspec
 def hitchllm_before_forward(
-    requests: list[RequestState], num_scheduled_tokens: list[int], model: torch.nn.Module
+    requests: list[RequestState], num_scheduled_tokens: list[int], model: torch.nn.Module,
+    running_requests: Collection[RequestState],
 ) -> None:
     """Called by the model runner once per step, right before the model's forward pass.
 
@@ -212,7 +236,10 @@ def hitchllm_before_forward(
     (``hitchllm.engine.input_batch.RequestState``: ``request_id``, ``sampling_params``,
     ``lora_request`` and ``lora_name``, ``prompt_token_ids``, ``output_token_ids``), never the
     scheduler's ``Request`` objects: the runner may run in a worker process. Row ``i``
-    contributes ``num_scheduled_tokens[i]`` consecutive tokens to the packed batch. Use it to
+    contributes ``num_scheduled_tokens[i]`` consecutive tokens to the packed batch.
+    ``running_requests`` are all the requests the runner holds state for, scheduled in this
+    step or not (the scheduler's running requests; finished and preempted ones are gone), so
+    that state a running request will need again is not given away. Use it to
     set up per-token state a wrapped layer needs (the LoRA plugin maps each token to its
     request's adapter). Must not synchronize with the device. On CUDA, decode steps replay a
     CUDA graph captured at start-up (padded to a capture size), so state the forward reads
@@ -226,8 +253,9 @@ def hitchllm_block_hash_extra_keys(request: Request) -> tuple[Any, ...] | None:
     """Return extra values that must enter every KV block hash of ``request``.
 
     Called when a request's block hashes are computed for prefix caching. Two requests share
-    cached blocks only if every plugin returns equal keys for both (e.g. the LoRA plugin returns
-    the adapter name, so blocks computed under different adapters are never shared). Return
+    cached blocks only if every plugin returns equal keys for both. (The core already keys
+    every block by ``request.lora_name``; the LoRA plugin adds the adapter's directory, so a
+    name bound to another directory later never reuses the old blocks.) Return
     ``None`` when the plugin has nothing to add. Values must be str, int or None so hashes stay
     deterministic across processes.
     """

@@ -23,6 +23,7 @@ from hitchllm.engine.output_processor import OutputProcessor
 from hitchllm.kv_cache.manager import KVCacheManager
 from hitchllm.logger import init_logging
 from hitchllm.logits_processor import LogitsProcessor
+from hitchllm.lora import LORA_PLUGIN
 from hitchllm.models import fused
 from hitchllm.models.loader import load_model
 from hitchllm.outputs import RequestOutput
@@ -108,6 +109,7 @@ class LLMEngine:
 
         self.kv_cache_dtype = config.resolve_kv_cache_dtype(self.dtype)
         self._check_fp8_kv_cache_support()
+        self._check_lora_support()
         spec = AttentionSpec.for_device(
             self.device,
             dtype=self.dtype,
@@ -181,6 +183,8 @@ class LLMEngine:
             ),
             self.kv_cache,
             on_finish=None if self.proposer is None else self.proposer.remove_requests,
+            gates=[gate for result in self.registry.hook.hitchllm_admission_gates(
+                engine_config=config) for gate in result or []],
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.vocab_size = mc.vocab_size
@@ -220,6 +224,19 @@ class LLMEngine:
                 "plugin, which provides the fp8 KV-cache scales (pip install "
                 "hitchllm-quantization); or use kv_cache_dtype=auto"
             )
+
+    def _check_lora_support(self) -> None:
+        """``enable_lora`` needs the plugin that serves adapters; checked before the model
+        loads, so a missing plugin costs no load time."""
+        if not self.config.enable_lora:
+            return
+        if any(p.distribution == LORA_PLUGIN for p in self.registry.loaded.values()):
+            return
+        if any(p.distribution == LORA_PLUGIN for p in self.registry.failed):
+            raise ValueError(f"enable_lora needs the plugin {LORA_PLUGIN}, which is installed "
+                             "but failed to load (the log says why)")
+        raise ValueError(f"enable_lora needs the plugin {LORA_PLUGIN}, which is not "
+                         f"installed: pip install {LORA_PLUGIN}")
 
     def _report_unused_kv_scales(self, model: torch.nn.Module) -> None:
         """Checkpoint KV-cache scales are loaded whatever the cache dtype; say so when they go
@@ -317,8 +334,16 @@ class LLMEngine:
     ) -> str:
         """Validate and queue a request; returns its id. Raises ``ValueError`` for a request
         that can never be served (nothing is queued then). With ``final_only`` the request
-        appears in ``step()``'s outputs only once, finished (offline generation)."""
+        appears in ``step()``'s outputs only once, finished (offline generation).
+        ``lora_request`` (a ``hitchllm.LoRARequest``) names the adapter to run with; it
+        needs ``enable_lora`` and the LoRA plugin, and is refused otherwise."""
         params = params or SamplingParams()
+        if lora_request is not None and not self.config.enable_lora:
+            name = getattr(lora_request, "lora_name", lora_request)
+            raise ValueError(
+                f"lora_request names adapter {name!r} but LoRA is off; start the engine with "
+                f"enable_lora=True (--enable-lora), which needs the {LORA_PLUGIN} plugin "
+                f"(pip install {LORA_PLUGIN})")
         if request_id is None:
             request_id = str(next(self._request_counter))
             while self._id_in_use(request_id, params.n):

@@ -255,7 +255,7 @@ class ModelRunner:
         attn_metadata = self.builder.build(common)
         if self.before_forward is not None:
             self.before_forward(requests=states, num_scheduled_tokens=plan.num_scheduled_tokens,
-                                model=self.model)
+                                model=self.model, running_requests=batch.states.values())
         if graph_size is not None and self.graphs is not None and self.graphs.captured:
             hidden = self.graphs.replay(graph_size, query_len)
         else:

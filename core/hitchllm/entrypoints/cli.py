@@ -43,6 +43,13 @@ def add_engine_args(
                    help="ngram: shortest context suffix to match (default 1)")
     g.add_argument("--prompt-lookup-max", type=int,
                    help="ngram: longest context suffix to match (default 4)")
+    g.add_argument("--enable-lora", action="store_true", default=None,
+                   help="serve LoRA adapters named by requests (needs the hitchllm-lora plugin)")
+    g.add_argument("--max-loras", type=int,
+                   help="LoRA adapters active on the device at once (default 1)")
+    g.add_argument("--max-lora-rank", type=int, help="largest LoRA rank served (default 16)")
+    g.add_argument("--max-cpu-loras", type=int,
+                   help="LoRA adapters kept in host memory (default: --max-loras)")
     g.add_argument("--device", help="auto (default), cpu or cuda[:N]")
     g.add_argument("--attention-backend", help="force a backend by name (see `hitchllm backends`)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
@@ -75,7 +82,8 @@ def add_engine_args(
 
 ENGINE_FLAGS = ["tokenizer", "dtype", "kv_cache_dtype", "calculate_kv_scales", "quantization",
                 "speculative_method", "num_speculative_tokens", "speculative_model",
-                "prompt_lookup_min", "prompt_lookup_max", "device", "attention_backend",
+                "prompt_lookup_min", "prompt_lookup_max", "enable_lora", "max_loras",
+                "max_lora_rank", "max_cpu_loras", "device", "attention_backend",
                 "block_size", "num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization",
                 "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                 "enable_prefix_caching", "scheduling_policy", "seed", "enforce_eager",

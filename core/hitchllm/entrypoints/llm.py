@@ -24,8 +24,9 @@ class LLM:
     ``block_size``, ``num_kv_blocks``, ``kv_cache_memory``, ``max_model_len``, ``max_num_seqs``,
     ``max_num_batched_tokens``, ``enable_prefix_caching``, ``seed``, ...). Invalid values
     raise ``EngineConfigError`` (a ``ValueError``), one line per field; vLLM arguments hitchllm
-    does not implement yet (``tensor_parallel_size=2``, ``enable_lora=True``, ...) are refused
-    by name.
+    does not implement yet (``tensor_parallel_size=2``, ...) are refused by name.
+    ``enable_lora=True`` (with ``max_loras``, ``max_lora_rank``, ``max_cpu_loras``) serves
+    LoRA adapters through the hitchllm-lora plugin.
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
@@ -46,8 +47,10 @@ class LLM:
         """Generate for every prompt; results come back in input order.
 
         A prompt is a string or ``{"prompt_token_ids": [...]}``. ``sampling_params`` is one
-        ``SamplingParams`` for all prompts or one per prompt. ``lora_request`` (one for all
-        prompts, or a list) is passed to the LoRA plugin. If any prompt is invalid, a
+        ``SamplingParams`` for all prompts or one per prompt. ``lora_request`` (a
+        ``hitchllm.LoRARequest`` for all prompts, or a list with one per prompt, None for the
+        base model) needs ``enable_lora=True`` and the hitchllm-lora plugin. If any prompt
+        is invalid, a
         ``ValueError`` is raised and none of the prompts is left queued.
         """
         if isinstance(prompts, (str, dict)):
@@ -62,7 +65,15 @@ class LLM:
                     f"got {len(params)} sampling params for {len(prompts)} prompts; pass one "
                     "SamplingParams or one per prompt"
                 )
-        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if isinstance(lora_request, (list, tuple)):
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(
+                    f"got {len(loras)} lora requests for {len(prompts)} prompts; pass one "
+                    "LoRARequest (or None) for all prompts or one per prompt"
+                )
+        else:
+            loras = [lora_request] * len(prompts)
         ids: list[str] = []
         try:
             for prompt, p, lora in zip(prompts, params, loras):
@@ -80,11 +91,13 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template (or ``chat_template``) and generate.
 
         ``messages`` is one conversation (a list of ``{"role", "content"}`` dicts) or a list of
-        conversations.
+        conversations; ``lora_request`` is one for all of them or one per conversation, as in
+        ``generate``.
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[Prompt] = [
@@ -92,7 +105,7 @@ class LLM:
                 self.engine.tokenizer, conversation, chat_template, add_generation_prompt)}
             for conversation in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         pending = set(ids)

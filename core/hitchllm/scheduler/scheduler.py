@@ -17,6 +17,10 @@ are freed and it goes back to the front of the waiting queue (prefix caching usu
 recompute cheap). The victim is chosen by ``PreemptionPolicy`` among the running requests not
 yet scheduled in the step.
 
+Admission gates (``hitchllm.scheduler.admission``) from plugins may hold a waiting request
+back for a step (the LoRA plugin does while every adapter slot serves other adapters); the
+requests behind it are admitted in its place.
+
 When a step fails, the engine hands its requests to ``quarantine``: they are preempted and run
 apart, half of them at a time, until each has sampled once on its own or has failed alone
 (bisection: a request that breaks every batch it is in is found in about log2(batch) steps).
@@ -31,6 +35,7 @@ from dataclasses import dataclass
 
 from hitchllm.kv_cache.manager import KVCacheManager
 from hitchllm.request import Request, RequestStatus
+from hitchllm.scheduler.admission import AdmissionGate
 from hitchllm.scheduler.policy import PreemptionPolicy
 from hitchllm.scheduler.step_plan import NewRequestData, StepPlan
 from hitchllm.scheduler.stop import check_stop
@@ -66,9 +71,11 @@ class Scheduler:
     def __init__(
         self, config: SchedulerConfig, kv_cache: KVCacheManager,
         on_finish: Callable[[list[str]], None] | None = None,
+        gates: Iterable[AdmissionGate] = (),
     ) -> None:
         self.config = config
         self.kv_cache = kv_cache
+        self.gates = list(gates)
         # Told the id of every request as it finishes (the speculative proposer's
         # ``remove_requests``), whatever ended it.
         self.on_finish = on_finish
@@ -96,14 +103,20 @@ class Scheduler:
             request = self.requests.get(rid)
             if request is None or request.finished:
                 continue
-            if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
-            else:
-                self.waiting.remove(request)
+            self._dequeue(request)
             self._finish(request, status)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def _dequeue(self, request: Request) -> None:
+        """Take ``request`` out of its queue (running or waiting)."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+            for gate in self.gates:
+                gate.released(request)
+        else:
+            self.waiting.remove(request)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
@@ -152,12 +165,11 @@ class Scheduler:
                 index += 1
 
         # Admitting new work right after a preemption would only thrash the cache.
-        while (
-            not preempted_any
-            and (request := self._next_waiting(allowed)) is not None
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
+        for request in [] if preempted_any else self._admission_candidates(allowed):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if not all(gate.may_admit(request) for gate in self.gates):
+                continue  # it keeps its place; the requests behind it may go first
             if request.sampling_params.prompt_logprobs is None:
                 hit_blocks, num_hit = self.kv_cache.get_computed_blocks(request)
             else:  # every prompt position needs its logits: no prefix-cache hit
@@ -165,12 +177,14 @@ class Scheduler:
             num_new = min(request.num_tokens - num_hit, budget)
             if not self._allocate_for_admission(request, num_new, hit_blocks, allowed):
                 break
-            self.waiting.remove(request)  # the first one, except while suspects run apart
+            self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
             if request.num_preemptions == 0:
                 request.num_cached_prompt_tokens = num_hit
             self.running.append(request)
+            for gate in self.gates:
+                gate.admitted(request)
             scheduled[request] = num_new
             budget -= num_new
 
@@ -210,10 +224,12 @@ class Scheduler:
             if request.spec_token_probs is not None:
                 plan.draft_probs[rid] = request.spec_token_probs[: len(request.spec_token_ids)]
 
-    def _next_waiting(self, allowed: set[Request] | None) -> Request | None:
+    def _admission_candidates(self, allowed: set[Request] | None) -> list[Request]:
+        """The waiting requests that may be admitted, in queue order (a snapshot: admitting
+        one changes the queue). While suspects run apart, only the current group's."""
         if allowed is None:
-            return self.waiting[0] if self.waiting else None
-        return next((r for r in self.waiting if r in allowed), None)
+            return list(self.waiting)
+        return [r for r in self.waiting if r in allowed]
 
     def _allocate_for_admission(
         self, request: Request, num_new: int, hit_blocks: list, allowed: set[Request] | None
@@ -273,7 +289,7 @@ class Scheduler:
                 or request.num_tokens + pending >= self.config.max_model_len)
 
     def _preempt(self, request: Request) -> None:
-        self.running.remove(request)
+        self._dequeue(request)
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -324,10 +340,7 @@ class Scheduler:
                 request.append_output_token(token)
                 status = check_stop(request, self.config.max_model_len)
                 if status is not None:
-                    if request.status == RequestStatus.RUNNING:
-                        self.running.remove(request)
-                    else:
-                        self.waiting.remove(request)
+                    self._dequeue(request)
                     self._finish(request, status)
                     break
             updated.append(request)

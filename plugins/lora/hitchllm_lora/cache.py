@@ -1,0 +1,127 @@
+"""The host-side adapter cache: adapters known by name, and up to ``max_cpu_loras`` of them
+read into host memory, least recently used evicted first.
+
+An adapter's identity is its ``(lora_name, lora_path)`` key: a name is bound to one path
+while it is known (a request naming it with another path is refused), and unloading a name
+lets it be bound to another path later without mixing the two. Requests already accepted
+keep their own ``LoRARequest``, so an adapter evicted from host memory (or unloaded) while
+they wait is read again from its directory when they run.
+
+Thread-safe: a server may load adapters from another thread than the engine loop's.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+
+from hitchllm.lora import LoRARequest
+from hitchllm_lora.adapter import LoRAAdapter
+
+logger = logging.getLogger("hitchllm.lora")
+
+AdapterKey = tuple[str, str]
+
+
+def adapter_key(request: LoRARequest | None) -> AdapterKey | None:
+    """The identity of the adapter a request runs with (None: the base model)."""
+    return None if request is None else (request.lora_name, request.lora_path)
+
+
+class AdapterCache:
+    """Known adapters by name, and an LRU of adapters read into host memory."""
+
+    def __init__(self, capacity: int, read: Callable[[LoRARequest], LoRAAdapter]) -> None:
+        self.capacity = capacity
+        self._read = read
+        self._known: dict[str, LoRARequest] = {}
+        self._loaded: OrderedDict[AdapterKey, LoRAAdapter] = OrderedDict()
+        self._lock = threading.Lock()
+        self.num_reads = 0
+        self.num_evictions = 0
+
+    def names(self) -> list[str]:
+        """The names of the known adapters, in the order they became known."""
+        with self._lock:
+            return list(self._known)
+
+    def resolve(self, request: LoRARequest) -> LoRARequest:
+        """Check ``request``'s fields and bind it to the known adapter of its name (an empty
+        ``lora_path`` refers to it); ``ValueError`` when it cannot name one adapter."""
+        if not isinstance(request, LoRARequest):
+            raise ValueError(f"lora_request must be a hitchllm.LoRARequest, got "
+                             f"{type(request).__name__}")
+        if not isinstance(request.lora_name, str) or not request.lora_name:
+            raise ValueError("LoRARequest.lora_name must be a non-empty string")
+        if (not isinstance(request.lora_int_id, int) or isinstance(request.lora_int_id, bool)
+                or request.lora_int_id < 1):
+            raise ValueError(f"LoRARequest.lora_int_id must be a positive integer, got "
+                             f"{request.lora_int_id!r}")
+        with self._lock:
+            known = self._known.get(request.lora_name)
+        if known is not None:
+            if request.lora_path not in ("", known.lora_path):
+                raise ValueError(
+                    f"LoRA adapter {request.lora_name!r} is loaded from {known.lora_path}, not "
+                    f"{request.lora_path}; unload it first or give this adapter another name")
+            return known
+        if not request.lora_path:
+            raise ValueError(f"LoRA adapter {request.lora_name!r} is not loaded and the request "
+                             f"gives no lora_path; known adapters: {self.names() or 'none'}")
+        return request
+
+    def add(self, request: LoRARequest) -> LoRARequest:
+        """Make the adapter known and read it into host memory (reading its directory unless
+        it is cached); returns the request bound to it. ``ValueError`` for a bad request or
+        directory; nothing changes then."""
+        resolved = self.resolve(request)
+        self.get(resolved)
+        with self._lock:
+            known = self._known.setdefault(resolved.lora_name, resolved)
+        if known is not resolved and known.lora_path != resolved.lora_path:
+            # Another thread bound the name to another directory meanwhile.
+            return self.resolve(request)
+        return known
+
+    def remove(self, name: str) -> None:
+        """Forget adapter ``name`` and free its host memory; ``ValueError`` if unknown."""
+        with self._lock:
+            known = self._known.pop(name, None)
+            if known is None:
+                raise ValueError(f"LoRA adapter {name!r} is not loaded; loaded: "
+                                 f"{list(self._known) or 'none'}")
+            self._loaded.pop((known.lora_name, known.lora_path), None)
+        logger.info("unloaded LoRA adapter %r (%s)", name, known.lora_path)
+
+    def get(self, request: LoRARequest) -> LoRAAdapter:
+        """The adapter in host memory, read from its directory if it is not (evicting the
+        least recently used beyond capacity)."""
+        key = (request.lora_name, request.lora_path)
+        with self._lock:
+            adapter = self._loaded.get(key)
+            if adapter is not None:
+                self._loaded.move_to_end(key)
+                return adapter
+        adapter = self._read(request)  # outside the lock: it reads files
+        with self._lock:
+            self.num_reads += 1
+            self._loaded[key] = adapter
+            self._loaded.move_to_end(key)
+            evicted = []
+            while len(self._loaded) > self.capacity:
+                evicted.append(self._loaded.popitem(last=False)[0])
+            self.num_evictions += len(evicted)
+        logger.info("loaded LoRA adapter %r (rank %d, %d modules, %.1f MiB) from %s",
+                    request.lora_name, adapter.rank, len(adapter.weights),
+                    adapter.num_bytes / 2**20, request.lora_path)
+        for name, path in evicted:
+            logger.info("evicted LoRA adapter %r (%s) from host memory (max_cpu_loras=%d)",
+                        name, path, self.capacity)
+        return adapter
+
+    def is_loaded(self, request: LoRARequest) -> bool:
+        """Whether the adapter is in host memory now."""
+        with self._lock:
+            return (request.lora_name, request.lora_path) in self._loaded
