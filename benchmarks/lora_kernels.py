@@ -11,6 +11,8 @@ in a pool of 8 slots and each number of tokens ``T``, it times:
   the timing;
 - **base**: the layer's own bf16 ``F.linear`` at the same ``T``.
 
+A second table sums the four layers (one decoder layer's LoRA cost against its GEMMs).
+
 Decode batches (``T`` up to 256) give token ``t`` adapter ``t % 8``; the 2048-token batch is
 a prefill of 4 requests, 512 tokens each, with adapters 0..3. ``group_tokens``, built once
 per step for all layers, is timed on its own. Times are medians of CUDA-event times of calls
@@ -163,6 +165,10 @@ HEADER = ("| layer | H_in -> N | T | base GEMM us | grouped shrink+expand us | "
           "|---|---|---|---|---|---|---|---|---|")
 
 
+SUMMARY_HEADER = ("| T | base GEMMs us | grouped LoRA us | grouped / base | per-adapter loop us | "
+                  "group_tokens us (once per step) |\n|---|---|---|---|---|---|")
+
+
 def fmt(row: dict) -> str:
     return (f"| {row['layer']} | {row['shape']} | {row['tokens']} | {row['base']:.1f} | "
             f"{row['grouped']:.1f} | {row['grouped'] / row['base']:.0%} | {row['loop']:.1f} | "
@@ -189,16 +195,23 @@ def main(argv: list[str] | None = None) -> None:
                                                       else "")
     lines = [*entry_heading(title, command), HEADER]
     print(HEADER)
+    rows = []
     for name, (hidden, widths) in work.layers.items():
         for tokens in work.tokens:
-            line = fmt(measure(name, hidden, widths, tokens, work, device, repeats))
-            print(line, flush=True)
-            lines.append(line)
-    grouping = ", ".join(f"T={t}: {grouping_us(t, work, device, repeats):.1f} us"
-                         for t in work.tokens)
-    note = f"group_tokens (once per step, shared by all layers): {grouping}"
-    print(note)
-    lines += ["", note]
+            rows.append(measure(name, hidden, widths, tokens, work, device, repeats))
+            lines.append(fmt(rows[-1]))
+            print(lines[-1], flush=True)
+    summary = ["Sums over the layers above (one decoder layer):", "",
+               SUMMARY_HEADER]
+    for tokens in work.tokens:
+        total = {key: sum(row[key] for row in rows if row["tokens"] == tokens)
+                 for key in ("base", "grouped", "loop")}
+        summary.append(
+            f"| {tokens} | {total['base']:.1f} | {total['grouped']:.1f} | "
+            f"{total['grouped'] / total['base']:.0%} | {total['loop']:.1f} | "
+            f"{grouping_us(tokens, work, device, repeats):.1f} |")
+    print("\n".join(summary))
+    lines += ["", *summary]
     if args.results:
         append_results(args.results, lines)
 

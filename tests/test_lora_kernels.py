@@ -16,31 +16,38 @@ pytest.importorskip("hitchllm_lora")
 
 from hitchllm_lora.kernels import group_tokens, lora_expand, lora_shrink
 
+
+def prefill_runs(tokens: int, slots: int) -> torch.Tensor:
+    """Six runs of consecutive tokens (requests) of uneven lengths, the first and every
+    ``slots + 1``-th one for the base model, the others for adapters 0, 1, ... in turn."""
+    ends = torch.tensor([7, 10, 29, 34, 35]) * tokens // 46
+    run = torch.bucketize(torch.arange(tokens), ends, right=True)
+    return run % (slots + 1) - 1
+
+
 SLOT_PATTERNS = {
     # One token per adapter in turn, as in a decode batch of different adapters' requests.
     "decode": lambda t, s: torch.arange(t) % s,
-    # Runs of consecutive tokens per request, as in prefill, with base-model runs between.
-    "prefill": lambda t, s: torch.cat([torch.full((n,), k % (s + 1) - 1) for k, n in
-                                       enumerate((7, 3, 19, 5, 1, 11))])[:t],
+    "prefill": prefill_runs,
     "random-with-base": lambda t, s: torch.randint(-1, s, (t,)),
     "base-only": lambda t, s: torch.full((t,), -1),
 }
 
 
 def reference_shrink(x, lora_a, token_slot, scaling):
-    slot = token_slot.long()
-    used = slot >= 0
-    pick = slot.clamp(min=0)
-    y = torch.einsum("th,trh->tr", x.double(), lora_a.double()[pick])
-    return torch.where(used[:, None], y * scaling.double()[pick][:, None], 0.0)
+    y = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float64, device=x.device)
+    for slot in range(lora_a.shape[0]):
+        rows = token_slot == slot
+        y[rows] = scaling[slot].double() * (x[rows].double() @ lora_a[slot].double().T)
+    return y
 
 
 def reference_expand(y, lora_b, token_slot, out, out_offset):
-    slot = token_slot.long()
     want = out.double().clone()
-    delta = torch.einsum("tr,tnr->tn", y.double(), lora_b.double()[slot.clamp(min=0)])
-    width = lora_b.shape[1]
-    want[:, out_offset:out_offset + width] += torch.where((slot >= 0)[:, None], delta, 0.0)
+    columns = slice(out_offset, out_offset + lora_b.shape[1])
+    for slot in range(lora_b.shape[0]):
+        rows = token_slot == slot
+        want[rows, columns] += y[rows].double() @ lora_b[slot].double().T
     return want
 
 
@@ -275,12 +282,13 @@ def test_gpu_kernels_replay_from_a_cuda_graph_without_host_syncs():
         step()  # compiles the kernels outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph):
+        # A host sync raises with a message naming the operation, not only a failed capture.
+        torch.cuda.set_sync_debug_mode("error")
+        try:
             step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     for pattern in ("prefill", "random-with-base", "base-only", "decode"):
         token_slot.copy_(SLOT_PATTERNS[pattern](tokens, 8).to(token_slot))
         x.normal_()
