@@ -144,6 +144,24 @@ def test_slices_of_a_fused_output_with_a_row_stride_leave_the_rest_alone():
     assert torch.equal(storage[:, 5 + sum(widths):], untouched[:, 5 + sum(widths):])
 
 
+def test_one_shrink_of_stacked_slices_feeds_each_slice_expand_through_a_column_view():
+    """q, k and v's A stacked into one ``[S, 3R, H]`` pool: one shrink, then each slice's
+    expand reads its columns of ``y`` (a view with a row stride of ``3R``)."""
+    x, _, _, scaling, token_slot = make_case("prefill", 30, seed=4)
+    parts = [make_case("prefill", 30, width=w, seed=20 + w)[1:3] for w in (16, 8, 8)]
+    y = lora_shrink(x, torch.cat([a for a, _ in parts], dim=1), token_slot, scaling)
+    out = torch.randn(30, 32)
+    want = out.double().clone()
+    offset = 0
+    for i, (lora_a, lora_b) in enumerate(parts):
+        y_slice = y[:, 8 * i:8 * (i + 1)]
+        want = reference_expand(reference_shrink(x, lora_a, token_slot, scaling), lora_b,
+                                token_slot, want, offset)
+        lora_expand(y_slice, lora_b, token_slot, out, offset)
+        offset += lora_b.shape[1]
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
 def test_one_token_and_no_tokens():
     x, lora_a, lora_b, scaling, _ = make_case("decode", 1)
     token_slot = torch.tensor([2])

@@ -29,7 +29,8 @@ rows of ``y`` (float32) with its slot's ``B`` (widened to float32; TF32 tensor c
 16-bit weights, exact IEEE products for float32 ones) and adds the result into its rows of
 ``out[:, out_offset:out_offset + N]``, rounding once to ``out``'s dtype. Each output element
 belongs to one program, so no atomics are needed; the fused QKV and gate/up outputs take one
-call per slice.
+call per slice. Their ``A`` may be stacked into one pool (``[S, R_q + R_k + R_v, H_in]``) and
+shrunk in one call: each slice's expand then reads its columns of ``y`` through a view.
 
 ``R`` up to ``MAX_RANK`` is handled by padding to a power of two (at least 16, ``tl.dot``'s
 minimum) under masks; ``H_in`` and ``N`` need not be multiples of the block sizes.
