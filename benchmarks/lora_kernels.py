@@ -104,10 +104,10 @@ def measure(name: str, hidden: int, widths: tuple[int, ...], tokens: int, work: 
     from hitchllm_lora.kernels import group_tokens, lora_expand, lora_shrink
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator(device).manual_seed(0)
 
     def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
-        return (torch.randn(*shape, generator=generator) * scale).to(device, dtype)
+        return (torch.randn(*shape, generator=generator, device=device) * scale).to(dtype)
 
     x = randn(tokens, hidden)
     weight = randn(sum(widths), hidden, scale=hidden**-0.5)

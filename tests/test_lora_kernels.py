@@ -208,6 +208,8 @@ def test_shared_groups_give_the_same_result_and_must_match_the_batch():
                                atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="built for 40 tokens"):
         lora_shrink(x[:39], lora_a, token_slot[:39], scaling, groups=groups)
+    with pytest.raises(ValueError, match="pool of 2 slots"):
+        lora_expand(y, lora_b[:2], token_slot, out, groups=groups)
 
 
 def test_bad_shapes_are_refused_with_what_to_change():

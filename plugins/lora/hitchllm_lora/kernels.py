@@ -62,6 +62,7 @@ class SlotGroups:
     tile_start: torch.Tensor
     tile_end: torch.Tensor
     block_t: int
+    num_slots: int
 
     @property
     def num_tokens(self) -> int:
@@ -117,7 +118,7 @@ def group_tokens(token_slot: torch.Tensor, num_slots: int,
     return SlotGroups(order=order,
                       tile_slot=torch.where(used, tile_slot, -1).to(torch.int32),
                       tile_start=start.to(torch.int32), tile_end=end.to(torch.int32),
-                      block_t=block_t)
+                      block_t=block_t, num_slots=num_slots)
 
 
 @triton.jit
@@ -214,9 +215,11 @@ def _groups_for(token_slot: torch.Tensor, num_slots: int, num_tokens: int,
                 groups: SlotGroups | None) -> SlotGroups:
     if groups is None:
         return group_tokens(token_slot, num_slots)
-    if groups.num_tokens != num_tokens:
-        raise ValueError(f"groups were built for {groups.num_tokens} tokens, the batch has "
-                         f"{num_tokens}: build them from this batch's token_slot")
+    if (groups.num_tokens, groups.num_slots) != (num_tokens, num_slots):
+        raise ValueError(f"groups were built for {groups.num_tokens} tokens and "
+                         f"{groups.num_slots} slots, the call has {num_tokens} tokens and a "
+                         f"pool of {num_slots} slots: build them with group_tokens(token_slot, "
+                         f"{num_slots}) from this batch's token_slot")
     return groups
 
 
