@@ -10,6 +10,11 @@ base output: ``sum_r (x_r A_r^T) B^T = (x A^T) B^T``.
 Each slot's adapter weights live in a stacked pool allocated once per layer (``A [S, R,
 H_in]``, ``B [S, N, R]`` for ``S = max_loras`` adapter slots and ``R = max_lora_rank``), so
 a CUDA graph captured at start-up reads whatever adapters are active when it replays.
+
+On CUDA the products run as the grouped Triton kernels of ``hitchllm_lora.kernels``; the
+tokens are grouped by slot once per forward, by the first adapted layer the forward runs
+(inside the forward, so a captured graph regroups on every replay), and every other layer
+reuses the grouping. Elsewhere they run as the torch ops of ``hitchllm_lora.ops``.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import torch
 from torch import nn
 
 from hitchllm.layers import LinearBase, LinearMethod, WeightLoader
-from hitchllm_lora import ops
+from hitchllm_lora import kernels, ops
 from hitchllm_lora.targets import Target
 
 if TYPE_CHECKING:
@@ -46,6 +51,9 @@ class LayerLoRA:
     ) -> None:
         self.prefix = targets[0].layer_prefix
         self.slots = slots
+        # Set by ``wrap_layers`` on the first adapted layer in the model's order: it groups
+        # the forward's tokens by slot for every layer (CUDA).
+        self.groups_tokens = False
         num_slots = slots.num_slots
         in_size = targets[0].layer.input_size_per_partition
         self.slices = [
@@ -61,9 +69,17 @@ class LayerLoRA:
         if not slots.in_use:
             return
         token_slot = slots.token_slot[: x.shape[0]]
+        if not x.is_cuda:
+            for pool in self.slices:
+                y = ops.lora_shrink(x, pool.a, token_slot, slots.scaling)
+                ops.lora_expand(y, pool.b, token_slot, out, pool.target.offset)
+            return
+        if self.groups_tokens or slots.groups is None:
+            slots.groups = kernels.group_tokens(token_slot, slots.num_slots)
         for pool in self.slices:
-            y = ops.lora_shrink(x, pool.a, token_slot, slots.scaling)
-            ops.lora_expand(y, pool.b, token_slot, out, pool.target.offset)
+            y = kernels.lora_shrink(x, pool.a, token_slot, slots.scaling, groups=slots.groups)
+            kernels.lora_expand(y, pool.b, token_slot, out, pool.target.offset,
+                                groups=slots.groups)
 
 
 class LoRALinearMethod(LinearMethod):
@@ -104,4 +120,6 @@ def wrap_layers(
         lora = LayerLoRA(layer_targets, slots, max_rank, dtype, device)
         layer.linear_method = LoRALinearMethod(layer.linear_method, lora)
         wrapped.append(lora)
+    if wrapped:  # ``targets`` follows the model's module order, the order a forward runs
+        wrapped[0].groups_tokens = True
     return wrapped

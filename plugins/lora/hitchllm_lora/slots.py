@@ -22,6 +22,7 @@ from hitchllm.engine.input_batch import RequestState
 from hitchllm.engine.step_buffers import HostDeviceBuffer
 from hitchllm.lora import LoRARequest
 from hitchllm_lora.cache import AdapterCache, AdapterKey, adapter_key
+from hitchllm_lora.kernels import SlotGroups
 from hitchllm_lora.layers import LayerLoRA
 
 logger = logging.getLogger("hitchllm.lora")
@@ -53,6 +54,8 @@ class AdapterSlots:
         # with every token at -1 adds nothing.
         self.in_use = True
         self.num_activations = 0
+        # The current forward's tokens grouped by slot (CUDA kernels; see ``layers``).
+        self.groups: SlotGroups | None = None
 
     def prepare(
         self, requests: Sequence[RequestState], num_scheduled_tokens: Sequence[int],
