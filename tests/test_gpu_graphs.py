@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from reference import hf_greedy
@@ -106,3 +108,17 @@ def test_async_scheduling_on_cuda_equals_sequential_steps(tiny_models):
     for temperature in (0.0, 1.0):
         overlapped, sequential = (_generate(llm, prompts, temperature) for llm in runs)
         assert overlapped == sequential
+
+
+def test_engine_starts_when_max_num_seqs_times_max_model_len_is_below_the_step_budget(
+        tiny_models):
+    """Measuring peak memory plans the largest step the scheduler can: with 2 requests of at
+    most 64 tokens that is 128 tokens, not max_num_batched_tokens (8192) split into requests
+    longer than max_model_len (which overflowed the block table at start-up)."""
+    gc.collect()  # engines of earlier tests still hold their KV caches until collected
+    torch.cuda.empty_cache()
+    llm = LLM(tiny_models["LlamaForCausalLM"], device="cuda", max_num_seqs=2, max_model_len=64,
+              gpu_memory_utilization=0.3)
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}],
+                       SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
