@@ -19,6 +19,7 @@ from test_models_hf_parity import mixed_prompts
 from transformers import AutoModelForCausalLM
 
 from hitchllm import LLM, LoRARequest, SamplingParams
+from hitchllm.tiny_model import build_tiny_checkpoint
 
 BENCH_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
 MAX_NEW = 6
@@ -41,8 +42,10 @@ def bench(monkeypatch):
 
 
 @pytest.fixture
-def qwen3_with_adapters(bench, tiny_models, tmp_path):
-    base = tiny_models["Qwen3ForCausalLM"]
+def qwen3_with_adapters(bench, tmp_path):
+    # Attention wider than the hidden size (4 heads of 32 on 64), as in Qwen3-0.6B (16 heads of
+    # 128 on 1024): q_proj and o_proj are not square, so their shapes are checked.
+    base = str(build_tiny_checkpoint(tmp_path / "qwen3", "Qwen3ForCausalLM", head_dim=32))
     config = json.loads((Path(base) / "config.json").read_text())
     paths = {name: str(bench.write_random_adapter(tmp_path / name, config, rank, targets,
                                                   alpha=alpha, seed=seed, std=0.2,
