@@ -15,7 +15,7 @@ from torch import nn
 
 from hitchllm.config import EngineConfig
 from hitchllm.engine.llm_engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
-from hitchllm.lora import LoRARequest
+from hitchllm.lora import LoRACounters, LoRARequest
 from hitchllm_lora.adapter import read_adapter
 from hitchllm_lora.cache import AdapterCache
 from hitchllm_lora.gate import AdapterGate
@@ -32,7 +32,8 @@ _MANAGERS: weakref.WeakValueDictionary[int, LoRAManager] = weakref.WeakValueDict
 
 class LoRAManager:
     """Serves LoRA adapters for one engine: wraps the model's adaptable layers and owns the
-    adapters' host cache, device slots and the scheduler's admission gate."""
+    adapters' host cache, device slots and the scheduler's admission gate. The engine reaches
+    it as its ``hitchllm.lora.LoRAAdapters`` (``hitchllm_lora_adapters``)."""
 
     def __init__(self, model: nn.Module, engine_config: EngineConfig) -> None:
         self.engine_config = engine_config
@@ -73,6 +74,17 @@ class LoRAManager:
     def adapter_names(self) -> list[str]:
         """The loaded adapters' names, oldest first."""
         return self.cache.names()
+
+    def list_adapters(self) -> list[LoRARequest]:
+        """The loaded adapters, oldest first."""
+        return self.cache.known()
+
+    def counters(self) -> LoRACounters:
+        """Adapters read from disk, evicted from host memory, and copied into device slots,
+        since the engine started."""
+        return LoRACounters(num_loads=self.cache.num_reads,
+                            num_evictions=self.cache.num_evictions,
+                            num_activations=self.slots.num_activations)
 
 
 def manager_for(engine_config: EngineConfig) -> LoRAManager:
