@@ -142,6 +142,9 @@ def test_unknown_model_is_404_naming_adapters_too(client, server):
     status, body = post(f"{server}/v1/chat/completions",
                         {"model": "ad9", "messages": [{"role": "user", "content": "x"}]})
     assert status == 404 and error_of(body)["param"] == "model"
+    # Adapters share the base model's tokenizer.
+    assert post(f"{server}/tokenize", {"model": "ad0", "prompt": "a b"})[0] == 200
+    assert post(f"{server}/tokenize", {"model": "ad9", "prompt": "a b"})[0] == 404
 
 
 def test_running_and_waiting_adapters_in_metrics(client, server):
