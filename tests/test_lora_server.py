@@ -255,6 +255,9 @@ def test_server_load_and_unload_log(offline, adapters, caplog):
     assert "loaded LoRA adapter 'logged'" in text and "/v1/load_lora_adapter" in text
     assert "unloaded LoRA adapter 'logged' through /v1/unload_lora_adapter" in text
     assert "logged" not in [a.lora_name for a in offline.engine.list_loras()]
+    stats = offline.engine.stats()  # what /metrics reads, offline
+    assert stats.lora.num_loads >= 1  # "logged" at least
+    assert stats.running_lora_adapters == stats.waiting_lora_adapters == ()
 
 
 def test_lora_modules_syntax():

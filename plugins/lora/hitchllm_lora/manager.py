@@ -1,8 +1,9 @@
 """One engine's LoRA state: the host cache, the device slots and pools, the scheduler gate.
 
 Built by ``hitchllm_model_loaded`` when ``enable_lora`` is set, and found again by the other
-hooks through the engine's config (``manager_for``) or its model (``manager_of_model``). A
-server reaches it with ``manager_for(engine.config)`` to load and unload adapters at run time.
+hooks through the engine's config (``manager_for``) or its model (``manager_of_model``). The
+engine reaches it through ``hitchllm_lora_adapters`` (``LLMEngine.add_lora`` / ``remove_lora``
+/ ``list_loras``), which the server uses to load and unload adapters at run time.
 """
 
 from __future__ import annotations
