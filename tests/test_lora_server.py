@@ -122,6 +122,12 @@ def test_model_name_selects_the_adapter_like_offline_generate(client, offline, a
         got = served_text(client, name, prompt)
         assert got == offline_text(offline, prompt, LoRARequest(name, i, adapters[name]))
         assert got != base
+    chunks = list(client.completions.create(model="ad0", prompt=prompt, max_tokens=MAX_NEW,
+                                            temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    assert {c.model for c in chunks} == {"ad0"}
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == served_text(
+        client, "ad0", prompt)
     messages = [{"role": "user", "content": "Hi!"}]
     chat = client.chat.completions.create(model="ad1", messages=messages, temperature=0,
                                           max_completion_tokens=MAX_NEW,
