@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -18,12 +19,15 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(args: list[str], timeout: float = 120.0) -> Iterator[str]:
-    """Yield the base URL (``http://127.0.0.1:PORT``) of a server started with ``args``."""
+def running_server(args: list[str], timeout: float = 120.0,
+                   env: dict[str, str] | None = None) -> Iterator[str]:
+    """Yield the base URL (``http://127.0.0.1:PORT``) of a server started with ``args``
+    (and ``env`` added to this process's environment)."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "hitchllm.entrypoints.cli", "serve", "--port", str(port), *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=None if env is None else {**os.environ, **env},
     )
     url = f"http://127.0.0.1:{port}"
     try:

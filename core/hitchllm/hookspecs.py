@@ -12,8 +12,8 @@ through these same hooks, so built-ins and third-party plugins are treated alike
 Hooks are grouped by the engine's lifecycle:
 
 1. Discovery (when an engine is built or backends are listed): what a plugin provides.
-2. Model load (once per engine): after the weights are in place, the fp8 KV-cache scales, and
-   the logits processors.
+2. Model load (once per engine): after the weights are in place, the fp8 KV-cache scales, the
+   logits processors, and the LoRA adapters' manager.
 3. Per request: validation when a request is added, admission to the running requests,
    per-step state before the forward pass, identity that must enter prefix-cache keys.
 """
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from hitchllm.config import EngineConfig, ModelConfig
     from hitchllm.engine.input_batch import RequestState
     from hitchllm.logits_processor import LogitsProcessor
+    from hitchllm.lora import LoRAAdapters
     from hitchllm.request import Request
     from hitchllm.scheduler.admission import AdmissionGate
     from hitchllm.speculative import Proposer
@@ -182,6 +183,20 @@ def hitchllm_logits_processors(
     ``allowed_token_ids`` and ``bad_words`` are processors registered through this hook; the
     structured-output plugin adds its grammar's token mask. See ``hitchllm.logits_processor``
     for the contract (batched, no device reads, speculative rows).
+    """
+
+
+@hookspec
+def hitchllm_lora_adapters(engine_config: EngineConfig) -> LoRAAdapters | None:
+    """Return the object that loads, unloads and lists this engine's LoRA adapters, or None.
+
+    Called (after ``hitchllm_model_loaded``) when the engine is asked to load, unload or list
+    adapters (``LLMEngine.add_lora`` / ``remove_lora`` / ``list_loras``, which the server's
+    ``--lora-modules``, ``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter`` and
+    ``/v1/models`` use) or for its LoRA counters (``/metrics``). Return a
+    ``hitchllm.lora.LoRAAdapters`` for an engine whose adapters this plugin serves (the LoRA
+    plugin does when ``engine_config.enable_lora`` is set), else None; the first non-None
+    answer is used.
     """
 
 

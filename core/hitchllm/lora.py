@@ -9,6 +9,7 @@ base model.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 # The distribution that serves adapters; named in the errors of an engine that cannot.
 LORA_PLUGIN = "hitchllm-lora"
@@ -27,3 +28,34 @@ class LoRARequest:
     lora_name: str
     lora_int_id: int
     lora_path: str = ""
+
+
+@dataclass(frozen=True)
+class LoRACounters:
+    """Totals since the engine started: adapters read from disk into host memory
+    (``num_loads``), dropped from host memory to make room (``num_evictions``), and copied
+    into a device slot (``num_activations``)."""
+
+    num_loads: int = 0
+    num_evictions: int = 0
+    num_activations: int = 0
+
+
+class LoRAAdapters(Protocol):
+    """What a plugin that serves adapters offers the engine (``hitchllm_lora_adapters``), so
+    that a server can load, unload and list them at run time without importing the plugin.
+    Every method may be called from another thread than the engine loop's."""
+
+    def add_adapter(self, lora_request: LoRARequest) -> LoRARequest:
+        """Read and check the adapter's directory and make its name known; returns the
+        bound ``LoRARequest``. ``ValueError`` says what is wrong (nothing changes then)."""
+
+    def remove_adapter(self, lora_name: str) -> None:
+        """Forget the adapter (accepted requests finish with it); ``ValueError`` if no
+        adapter has that name."""
+
+    def list_adapters(self) -> list[LoRARequest]:
+        """The known adapters, oldest first."""
+
+    def counters(self) -> LoRACounters:
+        """Load, eviction and activation totals."""

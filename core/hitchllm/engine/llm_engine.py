@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -23,7 +24,7 @@ from hitchllm.engine.output_processor import OutputProcessor
 from hitchllm.kv_cache.manager import KVCacheManager
 from hitchllm.logger import init_logging
 from hitchllm.logits_processor import LogitsProcessor
-from hitchllm.lora import LORA_PLUGIN
+from hitchllm.lora import LORA_PLUGIN, LoRAAdapters, LoRACounters, LoRARequest
 from hitchllm.models import fused
 from hitchllm.models.loader import load_model
 from hitchllm.outputs import RequestOutput
@@ -86,6 +87,11 @@ class EngineStats:
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    # LoRA (``enable_lora``): the adapters of the running and of the waiting requests (sorted
+    # names), and the adapter manager's totals (all empty / 0 without LoRA).
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    lora: LoRACounters = field(default_factory=LoRACounters)
 
 
 class LLMEngine:
@@ -584,6 +590,13 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         s = self.scheduler
+        lora: dict[str, Any] = {}
+        if self.config.enable_lora:
+            lora = dict(
+                running_lora_adapters=_adapter_names(s.running),
+                waiting_lora_adapters=_adapter_names(s.waiting),
+                lora=self.lora_adapters().counters(),
+            )
         return EngineStats(
             num_running=len(s.running),
             num_waiting=len(s.waiting),
@@ -594,4 +607,39 @@ class LLMEngine:
             spec_decode_num_drafts=s.stats.num_spec_drafts,
             spec_decode_num_draft_tokens=s.stats.num_spec_draft_tokens,
             spec_decode_num_accepted_tokens=s.stats.num_spec_accepted_tokens,
+            **lora,
         )
+
+    # ---- LoRA adapters at run time (vLLM's add_lora / remove_lora / list_loras) --------
+
+    def lora_adapters(self) -> LoRAAdapters:
+        """The plugin object that manages this engine's adapters (``ValueError`` when LoRA
+        is off)."""
+        if not self.config.enable_lora:
+            raise ValueError(f"LoRA is off: start the engine with enable_lora=True "
+                             f"(--enable-lora), which needs the {LORA_PLUGIN} plugin")
+        found = [a for a in self.registry.hook.hitchllm_lora_adapters(engine_config=self.config)
+                 if a is not None]
+        if not found:
+            raise ValueError(f"no installed plugin manages LoRA adapters; install {LORA_PLUGIN}")
+        return found[0]
+
+    def add_lora(self, lora_request: LoRARequest) -> LoRARequest:
+        """Load an adapter so that requests may name it by ``lora_name`` alone; returns the
+        bound ``LoRARequest``. ``ValueError`` says what is wrong with it or its directory.
+        Safe to call from another thread than the engine loop's."""
+        return self.lora_adapters().add_adapter(lora_request)
+
+    def remove_lora(self, lora_name: str) -> None:
+        """Unload an adapter (requests already accepted finish with it); ``ValueError`` if
+        none has that name. Safe to call from another thread."""
+        self.lora_adapters().remove_adapter(lora_name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The loaded adapters, oldest first (empty when LoRA is off)."""
+        return self.lora_adapters().list_adapters() if self.config.enable_lora else []
+
+
+def _adapter_names(requests: Iterable[Request]) -> tuple[str, ...]:
+    """The sorted, distinct adapter names of ``requests`` (base-model requests name none)."""
+    return tuple(sorted({r.lora_name for r in requests if r.lora_name is not None}))

@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Any
 
 from hitchllm.bundled_model import DEFAULT_SERVED_MODEL_NAME, default_model_path
+from hitchllm.lora import LoRARequest
 from hitchllm.sampling_params import SamplingParams
 from hitchllm.unsupported_args import VLLM_ARGS_NOT_SUPPORTED
 
@@ -217,6 +219,31 @@ def served_model(args: argparse.Namespace) -> tuple[str, list[str]]:
     return path, args.served_model_name or [DEFAULT_SERVED_MODEL_NAME, path]
 
 
+def parse_lora_modules(specs: list[str]) -> list[LoRARequest]:
+    """``--lora-modules`` entries, ``NAME=PATH`` or vLLM's JSON form
+    ``{"name": NAME, "path": PATH}``, as adapters numbered from 1."""
+    adapters = []
+    for i, spec in enumerate(specs, start=1):
+        if spec.lstrip().startswith("{"):
+            try:
+                entry = json.loads(spec)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--lora-modules: {spec!r} is not valid JSON ({exc})") from exc
+            if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
+                    and isinstance(entry.get("path"), str)):
+                raise ValueError(f"--lora-modules: {spec!r} must hold string fields "
+                                 "\"name\" and \"path\"")
+            name, path = entry["name"], entry["path"]
+        else:
+            name, sep, path = spec.partition("=")
+            if not sep:
+                raise ValueError(f"--lora-modules: {spec!r} is not NAME=PATH")
+        if not name or not path:
+            raise ValueError(f"--lora-modules: {spec!r} needs both a name and a path")
+        adapters.append(LoRARequest(name, i, path))
+    return adapters
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from hitchllm.config import EngineConfig
     from hitchllm.entrypoints.openai.api_server import serve
@@ -228,6 +255,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, served_model_name=names,
         api_key=args.api_key, chat_template=args.chat_template,
         limits=ServerLimits(max_n=args.max_n, max_request_bytes=args.max_request_bytes),
+        lora_modules=parse_lora_modules(args.lora_modules or []),
     )
     return 0
 
@@ -280,6 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest n (sequences per prompt) a request may ask for (default 128)")
     p.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
                    help="largest request body in bytes; larger ones get 413 (default 4 MiB)")
+    p.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
+                   help="LoRA adapters served as models of their names (with --enable-lora): "
+                        "NAME=PATH, or JSON '{\"name\": NAME, \"path\": PATH}'")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", help="benchmarks")

@@ -47,6 +47,11 @@ class AdapterCache:
         with self._lock:
             return list(self._known)
 
+    def known(self) -> list[LoRARequest]:
+        """The known adapters, in the order they became known."""
+        with self._lock:
+            return list(self._known.values())
+
     def resolve(self, request: LoRARequest) -> LoRARequest:
         """Check ``request``'s fields and bind it to the known adapter of its name (an empty
         ``lora_path`` refers to it); ``ValueError`` when it cannot name one adapter."""

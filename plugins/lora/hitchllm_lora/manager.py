@@ -1,8 +1,9 @@
 """One engine's LoRA state: the host cache, the device slots and pools, the scheduler gate.
 
 Built by ``hitchllm_model_loaded`` when ``enable_lora`` is set, and found again by the other
-hooks through the engine's config (``manager_for``) or its model (``manager_of_model``). A
-server reaches it with ``manager_for(engine.config)`` to load and unload adapters at run time.
+hooks through the engine's config (``manager_for``) or its model (``manager_of_model``). The
+engine reaches it through ``hitchllm_lora_adapters`` (``LLMEngine.add_lora`` / ``remove_lora``
+/ ``list_loras``), which the server uses to load and unload adapters at run time.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from torch import nn
 
 from hitchllm.config import EngineConfig
 from hitchllm.engine.llm_engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
-from hitchllm.lora import LoRARequest
+from hitchllm.lora import LoRACounters, LoRARequest
 from hitchllm_lora.adapter import read_adapter
 from hitchllm_lora.cache import AdapterCache
 from hitchllm_lora.gate import AdapterGate
@@ -32,7 +33,8 @@ _MANAGERS: weakref.WeakValueDictionary[int, LoRAManager] = weakref.WeakValueDict
 
 class LoRAManager:
     """Serves LoRA adapters for one engine: wraps the model's adaptable layers and owns the
-    adapters' host cache, device slots and the scheduler's admission gate."""
+    adapters' host cache, device slots and the scheduler's admission gate. The engine reaches
+    it as its ``hitchllm.lora.LoRAAdapters`` (``hitchllm_lora_adapters``)."""
 
     def __init__(self, model: nn.Module, engine_config: EngineConfig) -> None:
         self.engine_config = engine_config
@@ -73,6 +75,17 @@ class LoRAManager:
     def adapter_names(self) -> list[str]:
         """The loaded adapters' names, oldest first."""
         return self.cache.names()
+
+    def list_adapters(self) -> list[LoRARequest]:
+        """The loaded adapters, oldest first."""
+        return self.cache.known()
+
+    def counters(self) -> LoRACounters:
+        """Adapters read from disk, evicted from host memory, and copied into device slots,
+        since the engine started."""
+        return LoRACounters(num_loads=self.cache.num_reads,
+                            num_evictions=self.cache.num_evictions,
+                            num_activations=self.slots.num_activations)
 
 
 def manager_for(engine_config: EngineConfig) -> LoRAManager:

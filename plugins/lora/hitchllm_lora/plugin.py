@@ -25,6 +25,12 @@ def hitchllm_model_loaded(model: nn.Module, engine_config: EngineConfig) -> None
 
 
 @hookimpl
+def hitchllm_lora_adapters(engine_config: EngineConfig) -> LoRAManager | None:
+    """The engine's adapter manager, through which a server loads and unloads adapters."""
+    return manager_for(engine_config) if engine_config.enable_lora else None
+
+
+@hookimpl
 def hitchllm_request_added(request: Request, engine_config: EngineConfig) -> None:
     """Check the request's adapter and load it into host memory (a ``ValueError`` says what
     is wrong); the request is bound to the adapter's ``LoRARequest``."""

@@ -7,11 +7,13 @@ not collide.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from hitchllm.engine.llm_engine import LLMEngine
+from hitchllm.engine.llm_engine import EngineStats, LLMEngine
 from hitchllm.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -27,7 +29,9 @@ class _RequestTiming:
 class ServerMetrics:
     """The server's metric families and the bookkeeping that feeds them."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, max_loras: int | None = None) -> None:
+        """``max_loras``: the engine's ``max_loras`` when it serves LoRA adapters (adds the
+        LoRA metrics), else None."""
         self.registry = CollectorRegistry()
         labels = ["model_name"]
 
@@ -70,6 +74,9 @@ class ServerMetrics:
             metric.labels(model_name)
         self._timing: dict[str, _RequestTiming] = {}
         self._last_totals = (0,) * 6
+        self._lora: _LoRAMetrics | None = None
+        if max_loras is not None:
+            self._lora = _LoRAMetrics(self.registry, model_name, max_loras, counter)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -91,6 +98,8 @@ class ServerMetrics:
             if new > old:
                 metric.labels(m).inc(new - old)
         self._last_totals = totals
+        if self._lora is not None:
+            self._lora.observe(stats)
         for out in outputs:
             self._observe_request(out, now)
 
@@ -118,3 +127,45 @@ class ServerMetrics:
             reason = out.outputs[0].finish_reason if out.outputs else "abort"
             self.request_success.labels(m, reason or "abort").inc()
             del self._timing[out.request_id]
+
+
+class _LoRAMetrics:
+    """LoRA adapters: vLLM's ``lora_requests_info`` (one series whose labels name the running
+    and waiting adapters, comma-separated and sorted, and ``max_lora``; its value is the time
+    of the last update) and totals of adapter loads, evictions and device activations."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, max_loras: int,
+                 counter: Callable[[str, str], Counter]) -> None:
+        self.info = Gauge("hitchllm:lora_requests_info",
+                          "Running and waiting LoRA adapters (label values, comma-separated).",
+                          ["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+                          registry=registry)
+        self.loads = counter("lora_adapter_loads",
+                             "LoRA adapters read from disk into host memory.")
+        self.evictions = counter("lora_adapter_evictions",
+                                 "LoRA adapters evicted from host memory (max_cpu_loras).")
+        self.activations = counter("lora_adapter_activations",
+                                   "LoRA adapters copied into a device slot (max_loras).")
+        self._model = model_name
+        self._max_loras = str(max_loras)
+        self._labels: tuple[str, str] | None = None
+        self._last = (0, 0, 0)
+        for metric in (self.loads, self.evictions, self.activations):
+            metric.labels(model_name)
+        self._set_info((), ())
+
+    def _set_info(self, running: tuple[str, ...], waiting: tuple[str, ...]) -> None:
+        labels = (",".join(running), ",".join(waiting))
+        if labels != self._labels:
+            self.info.clear()  # one series: the adapters now, not every set ever seen
+            self.info.labels(*labels, self._max_loras).set(time.time())
+            self._labels = labels
+
+    def observe(self, stats: EngineStats) -> None:
+        self._set_info(stats.running_lora_adapters, stats.waiting_lora_adapters)
+        totals = (stats.lora.num_loads, stats.lora.num_evictions, stats.lora.num_activations)
+        for metric, new, old in zip((self.loads, self.evictions, self.activations), totals,
+                                    self._last, strict=True):
+            if new > old:
+                metric.labels(self._model).inc(new - old)
+        self._last = totals

@@ -1,10 +1,11 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn): routes, errors, limits, API key.
 
 Errors use OpenAI's JSON shape ``{"error": {"message", "type", "param", "code"}}``: invalid
-parameters, malformed JSON and prompts that cannot fit -> 400; unknown model -> 404; a missing
-or wrong key when ``--api-key`` is set -> 401; a body over ``max_request_bytes`` -> 413; a
-request the engine failed -> 500; a dead engine -> 503. 5xx bodies never carry internal
-exception text (it goes to the server log).
+parameters, malformed JSON, prompts that cannot fit and bad LoRA adapter directories -> 400;
+unknown model (or LoRA adapter to unload) -> 404; a missing or wrong key when ``--api-key`` is
+set -> 401; a body over ``max_request_bytes`` -> 413; a request the engine failed -> 500; a
+dead engine -> 503. 5xx bodies never carry internal exception text (it goes to the server
+log).
 """
 
 from __future__ import annotations
@@ -19,13 +20,19 @@ from typing import Annotated, Any
 
 from fastapi import Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import hitchllm
 from hitchllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from hitchllm.entrypoints.openai.metrics import ServerMetrics
+from hitchllm.entrypoints.openai.models import (
+    APIError,
+    LoadLoRAAdapterRequest,
+    ServedModels,
+    UnloadLoRAAdapterRequest,
+)
 from hitchllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from hitchllm.entrypoints.openai.serving import OpenAIServing
 from hitchllm.entrypoints.openai.streaming import sse
@@ -160,11 +167,15 @@ def build_app(
     api_key: str | None = None,
     chat_template: str | None = None,
     limits: ServerLimits | None = None,
+    allow_runtime_lora_updating: bool = False,
 ) -> FastAPI:
     """The FastAPI application serving ``engine`` under ``served_model_names`` (the first is
-    the name reported back)."""
+    the name reported back) and each of its LoRA adapters under the adapter's name;
+    ``allow_runtime_lora_updating`` opens ``/v1/load_lora_adapter`` and
+    ``/v1/unload_lora_adapter``."""
     limits = limits or ServerLimits()
     app = FastAPI(title="hitchllm", version=hitchllm.__version__)
+    served = ServedModels(engine.engine, served_model_names, allow_runtime_lora_updating)
     serving = OpenAIServing(engine, served_model_names[0], tokenizer, chat_template)
     app.add_middleware(BodySizeLimit, max_bytes=limits.max_request_bytes)
 
@@ -174,6 +185,10 @@ def build_app(
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, param=exc.param)
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> JSONResponse:
@@ -189,18 +204,10 @@ def build_app(
         message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
         return error_response(400, message, param=".".join(loc) or None)
 
-    def check_model(name: str) -> JSONResponse | None:
-        if name not in served_model_names:
-            return error_response(
-                404, f"The model `{name}` does not exist. Available: "
-                     f"{', '.join(served_model_names)}", param="model")
-        return None
-
     async def respond(
         request: Request, req: CompletionRequest | ChatCompletionRequest, handler: Any
     ) -> Response:
-        if (err := check_model(req.model)) is not None:
-            return err
+        lora_request = served.lora_request(req.model)  # 404 for an unknown model
         if bad := req.unsupported():
             return error_response(400, f"not supported by this server: {', '.join(bad)}",
                                   param=bad[0])
@@ -211,7 +218,7 @@ def build_app(
             return error_response(400, f"n must be at most {limits.max_n} on this server, got "
                                        f"{req.n}", param="n")
         try:
-            result = await _unless_disconnected(request, handler(req))
+            result = await _unless_disconnected(request, handler(req, lora_request))
         except ValueError as exc:
             # Parameter errors start with the field's name ("top_p must be in (0, 1]...").
             words = str(exc).split()
@@ -235,13 +242,17 @@ def build_app(
     async def chat_completions(request: Request, req: ChatCompletionRequest) -> Response:
         return await respond(request, req, serving.chat)
 
-    def model_card(name: str) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": 0, "owned_by": "hitchllm",
-                "max_model_len": engine.engine.max_model_len}
-
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(name) for name in served_model_names]}
+        return {"object": "list", "data": served.cards()}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> Response:
+        return PlainTextResponse(await served.load(req))
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> Response:
+        return PlainTextResponse(await served.unload(req))
 
     @app.get("/health")
     async def health() -> Response:
@@ -264,13 +275,12 @@ def build_app(
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> Response:
-        if (err := check_model(model_id)) is not None:
-            return err
-        return JSONResponse(model_card(model_id))
+        return JSONResponse(served.card(model_id))
 
     async def tokenizer_route(model_name: str | None, handler: Any, req: Any) -> Response:
-        if model_name is not None and (err := check_model(model_name)) is not None:
-            return err
+        if model_name is not None:
+            served.lora_request(model_name)  # 404 for an unknown model; adapters share the
+            # base model's tokenizer
         try:
             return JSONResponse(await serving.in_tokenizer_thread(handler, req))
         except ValueError as exc:

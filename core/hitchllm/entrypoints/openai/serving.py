@@ -20,6 +20,7 @@ from hitchllm.engine.async_engine import AsyncLLMEngine
 from hitchllm.entrypoints.llm import chat_prompt_token_ids
 from hitchllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from hitchllm.entrypoints.openai.streaming import merge, sse, stream_safe_length
+from hitchllm.lora import LoRARequest
 from hitchllm.outputs import CompletionOutput, Logprob, RequestOutput
 from hitchllm.sampling_params import SamplingParams
 
@@ -85,10 +86,14 @@ class OpenAIServing:
 
     # ---- shared ------------------------------------------------------------------------
 
-    async def _start(self, prompts: list[Any], params: Any) -> _Batch:
-        """Submit every prompt and wait until each has produced output (raises ValueError if
-        the engine rejects any of them; the others are then aborted)."""
-        iterators = [self.engine.generate(p, params) for p in prompts]
+    async def _start(
+        self, prompts: list[Any], params: Any, lora_request: LoRARequest | None
+    ) -> _Batch:
+        """Submit every prompt (run with ``lora_request``'s adapter, if any) and wait until
+        each has produced output (raises ValueError if the engine rejects any of them; the
+        others are then aborted)."""
+        iterators = [self.engine.generate(p, params, lora_request=lora_request)
+                     for p in prompts]
         merged = merge(iterators)
         latest: dict[int, RequestOutput] = {}
         try:
@@ -148,21 +153,29 @@ class OpenAIServing:
 
     # ---- /v1/completions ---------------------------------------------------------------
 
-    async def completions(self, req: CompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
+    def _reported_model(self, lora_request: LoRARequest | None) -> str:
+        """The ``model`` a response names: the adapter's name, else the base model's."""
+        return self.model_name if lora_request is None else lora_request.lora_name
+
+    async def completions(
+        self, req: CompletionRequest, lora_request: LoRARequest | None = None
+    ) -> dict[str, Any] | AsyncIterator[str]:
+        """``/v1/completions``, run with ``lora_request``'s adapter when given."""
         _check_no_streamed_prompt_logprobs(req)
         params = req.completion_params()
-        batch = await self._start(await self.tokenize_prompts(req.prompts(), params), params)
+        batch = await self._start(await self.tokenize_prompts(req.prompts(), params), params,
+                                  lora_request)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": rid, "object": "text_completion", "created": created,
+                "model": self._reported_model(lora_request)}
         if req.stream and not req.echo_only:
-            return self._stream_completions(req, batch, rid, created, params.stop_strings)
+            return self._stream_completions(req, batch, head, params.stop_strings)
         outputs = await self._finish_all(batch)
         choices = [self._completion_choice(req, i, out, seq)
                    for i, out in enumerate(outputs) for seq in out.outputs]
         usage = self._usage(outputs)
         if req.echo_only:  # the token generated to reach the prompt's logits is not returned
             usage.update(completion_tokens=0, total_tokens=usage["prompt_tokens"])
-        head = {"id": rid, "object": "text_completion", "created": created,
-                "model": self.model_name}
         if req.stream:  # echo only: the whole answer is known at once
             return self._stream_whole(req, head, choices, usage)
         return {**head, "choices": choices, "usage": usage}
@@ -210,7 +223,7 @@ class OpenAIServing:
         yield sse("[DONE]")
 
     def _stream_completions(
-        self, req: CompletionRequest, batch: _Batch, rid: str, created: int, stop: list[str]
+        self, req: CompletionRequest, batch: _Batch, head: dict[str, Any], stop: list[str]
     ) -> AsyncIterator[str]:
         offsets: dict[int, int] = {}
 
@@ -221,8 +234,6 @@ class OpenAIServing:
             offsets[index] = offsets.get(index, 0) + len(text)
             return {"index": index, "text": text, "logprobs": logprobs}
 
-        head = {"id": rid, "object": "text_completion", "created": created,
-                "model": self.model_name}
         prologue = []
         if req.echo:  # the prompt (and its logprobs) first, then the completion as it comes
             for i, out in enumerate(batch.latest):
@@ -302,15 +313,19 @@ class OpenAIServing:
                                     req.add_generation_prompt)
         return {"prompt_token_ids": ids}
 
-    async def chat(self, req: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
+    async def chat(
+        self, req: ChatCompletionRequest, lora_request: LoRARequest | None = None
+    ) -> dict[str, Any] | AsyncIterator[str]:
+        """``/v1/chat/completions``, run with ``lora_request``'s adapter when given."""
         _check_no_streamed_prompt_logprobs(req)
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = req.sampling_params(max_tokens, req.num_logprobs())
         prompt = await self.in_tokenizer_thread(self.chat_prompt, req)
-        batch = await self._start([prompt], params)
+        batch = await self._start([prompt], params, lora_request)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        model = self._reported_model(lora_request)
         if req.stream:
-            return self._stream_chat(req, batch, rid, created, params.stop_strings)
+            return self._stream_chat(req, batch, rid, created, model, params.stop_strings)
         [out] = await self._finish_all(batch)
         choices = [{
             "index": seq.index,
@@ -321,12 +336,13 @@ class OpenAIServing:
             "stop_reason": seq.stop_reason,
         } for seq in out.outputs]
         return {"id": rid, "object": "chat.completion", "created": created,
-                "model": self.model_name, "choices": choices, "usage": self._usage([out]),
+                "model": model, "choices": choices, "usage": self._usage([out]),
                 "prompt_logprobs": _prompt_logprobs_json(out.prompt_logprobs)
                 if req.prompt_logprobs is not None else None}
 
     def _stream_chat(
-        self, req: ChatCompletionRequest, batch: _Batch, rid: str, created: int, stop: list[str]
+        self, req: ChatCompletionRequest, batch: _Batch, rid: str, created: int, model: str,
+        stop: list[str],
     ) -> AsyncIterator[str]:
         def choice(index: int, text: str, ids: list[int], lps: list[Any]) -> dict[str, Any]:
             return {
@@ -336,7 +352,7 @@ class OpenAIServing:
             }
 
         head = {"id": rid, "object": "chat.completion.chunk", "created": created,
-                "model": self.model_name}
+                "model": model}
         roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None} for i in range(req.n)]
         return self._stream(req, batch, head, stop, req.logprobs, choice, roles)
