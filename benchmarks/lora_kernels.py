@@ -39,6 +39,10 @@ import torch
 import torch.nn.functional as F
 from results_md import append_results, entry_heading
 
+SECTION = "## Grouped LoRA kernels vs a per-adapter loop (issue 17)"
+ABOUT = ("Grouped shrink+expand (Triton) against a loop of per-adapter torch matmuls and the "
+         "base layer's bf16 GEMM, Llama-8B layer shapes; benchmarks/lora_kernels.py.")
+
 CALLS_PER_GRAPH = 20
 
 
@@ -213,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(summary))
     lines += ["", *summary]
     if args.results:
-        append_results(args.results, lines)
+        append_results(args.results, lines, SECTION, ABOUT)
 
 
 if __name__ == "__main__":
