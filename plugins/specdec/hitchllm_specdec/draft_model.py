@@ -23,7 +23,8 @@ Each step (``propose``), for every request asked:
    on the device (CUDA graphs when captured); a request that may take fewer drafts
    (``max_num_drafts``) leaves the batch early; with CUDA graphs one more step caches the
    last draft (``feed_last_draft``);
-3. one copy of all drafts to the host.
+3. one copy of all drafts to the host, queued before the forward that caches the last draft,
+   so the host reads the drafts while that forward runs.
 
 Steps 1 and 2 of a greedy batch whose requests each lack only their newest token and take K
 drafts (the steady state) run as one CUDA graph, the draft runner's draft chain, when the
@@ -142,7 +143,8 @@ class DraftModelProposer(Proposer):
         if chain is not None:
             newest = np.array([r.token_ids[-1] for r in requests], dtype=np.int64)
             tokens = self.runner.run_chain(chain, newest, lengths - 1, block_table)
-            return self._proposal(requests, states, tokens, None, limits, lengths, sampling)
+            return self._proposal(requests, states, tokens, None, limits, lengths, sampling,
+                                  block_table)
         logits = self._catch_up(requests, states, block_table)
         num_steps = int(limits[0])
         tokens = torch.zeros(n, num_steps, dtype=torch.int64, device=self.device)
@@ -159,12 +161,8 @@ class DraftModelProposer(Proposer):
                 if probs is None:
                     probs = torch.zeros(n, num_steps, self.vocab_size, device=self.device)
                 probs[:active, step] = step_probs
-        if self.feed_last_draft:
-            last = tokens[torch.arange(n, device=self.device),
-                          torch.from_numpy(limits - 1).to(self.device)]
-            self.runner.forward(np.ones(n, dtype=np.int64), lengths + limits - 1, block_table,
-                                device_token_ids=last)
-        return self._proposal(requests, states, tokens, probs, limits, lengths, sampling)
+        return self._proposal(requests, states, tokens, probs, limits, lengths, sampling,
+                              block_table)
 
     def _chain_size(self, states: list[DraftState], lengths: np.ndarray, limits: np.ndarray,
                     sampling: DraftSampling) -> int | None:
@@ -179,10 +177,26 @@ class DraftModelProposer(Proposer):
 
     def _proposal(self, requests: list[DraftRequest], states: list[DraftState],
                   tokens: torch.Tensor, probs: torch.Tensor | None, limits: np.ndarray,
-                  lengths: np.ndarray, sampling: DraftSampling) -> Proposal:
-        """Copy the drafts to the host, record what the draft cache now holds, and package
-        them."""
-        drafts = tokens.tolist()
+                  lengths: np.ndarray, sampling: DraftSampling,
+                  block_table: np.ndarray) -> Proposal:
+        """Copy the drafts to the host (with graphs, while the last draft is cached: see the
+        module docstring), record what the draft cache now holds, and package them."""
+        n = len(requests)
+        if self.device.type == "cuda":
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        if self.feed_last_draft:
+            last = tokens[torch.arange(n, device=self.device),
+                          torch.from_numpy(limits - 1).to(self.device)]
+            self.runner.forward(np.ones(n, dtype=np.int64), lengths + limits - 1, block_table,
+                                device_token_ids=last)
+        if self.device.type == "cuda":
+            copied.synchronize()
+            drafts = host.tolist()
+        else:
+            drafts = tokens.tolist()
         proposal = {}
         for i, (r, state) in enumerate(zip(requests, states, strict=True)):
             ids = drafts[i][: limits[i]]

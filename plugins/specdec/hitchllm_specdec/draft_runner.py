@@ -10,10 +10,9 @@ replayed from a CUDA graph once ``capture_cuda_graphs`` ran, when the backend al
 
 With a backend that reads the batch from the device (``reads_batch_on_device``), a whole
 greedy proposal is also captured as one graph per batch size, a *draft chain*: the catch-up
-forward of each request's newest token, then K - 1 draft steps and the forward that caches the
-last draft, each fed the argmax of the step before, with positions, sequence lengths and slots
-advanced on the device in between. One replay then replaces K + 1 forwards and their host
-work.
+forward of each request's newest token, then K - 1 draft steps, each fed the argmax of the
+step before, with positions, sequence lengths and slots advanced on the device in between. One
+replay then replaces K forwards and their host work.
 """
 
 from __future__ import annotations
@@ -118,7 +117,7 @@ class DraftRunner:
         seq_lens, slots = b.seq_lens.device[:size], b.slot_mapping.device[:size]
         rows, real = self._row_index[:size], self._real_rows[:size]
         drafts = []
-        for step in range(self.chain_drafts + 1):
+        for step in range(self.chain_drafts):
             if step:
                 ids.copy_(drafts[-1])
                 positions.add_(1)
@@ -128,9 +127,8 @@ class DraftRunner:
                 slots.copy_(torch.where(real, slot, -1))
             with set_forward_context(self._graph_metadata):
                 hidden = self.model(ids, positions)
-            if step < self.chain_drafts:
-                logits = self.model.compute_logits(hidden)
-                drafts.append(logits[:, : self.vocab_size].argmax(dim=-1))
+            logits = self.model.compute_logits(hidden)
+            drafts.append(logits[:, : self.vocab_size].argmax(dim=-1))
         return torch.stack(drafts, dim=1)
 
     def chain_size(self, num_reqs: int) -> int | None:
@@ -144,13 +142,13 @@ class DraftRunner:
                   block_table: np.ndarray) -> torch.Tensor:
         """Replay the draft chain of ``size`` for requests whose newest token
         (``token_ids[i]``, at position ``num_computed[i]``) is the only one their cache
-        lacks; ``block_table`` must reach ``chain_drafts`` positions further. Returns the
+        lacks; ``block_table`` must reach ``chain_drafts - 1`` positions further. Returns the
         ``[n, chain_drafts]`` drafts on the device."""
         b = self.buffers
         if self._inputs_copied is not None:
             self._inputs_copied.synchronize()
         n = len(token_ids)
-        last = num_computed + self.chain_drafts
+        last = num_computed + self.chain_drafts - 1
         blocks = block_table[np.arange(n), num_computed // self.block_size].astype(np.int64)
         b.input_ids.np[:n] = token_ids
         b.positions.np[:n] = num_computed
