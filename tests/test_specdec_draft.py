@@ -4,6 +4,7 @@ drafting for itself has its drafts accepted."""
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 from pathlib import Path
@@ -423,6 +424,8 @@ def test_gpu_draft_chain_equals_step_by_step_drafting():
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
     def drafts_and_output(chain: bool) -> tuple[list, list]:
+        gc.collect()  # engines of earlier tests hold GPU memory until collected
+        torch.cuda.empty_cache()
         llm = speculative(path, path, k=4, **gpu)
         proposer = llm.engine.proposer
         assert proposer.runner.chains.captured
