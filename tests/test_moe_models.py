@@ -81,3 +81,10 @@ def test_qwen3_moe_sparse_layers_follow_transformers(tmp_path):
     assert our_sparse == hf_sparse == [False, True, False, False, False, True]
     assert all(isinstance(layer.mlp, LlamaMLP) for layer, s in zip(ours.model.layers, our_sparse,
                                                                   strict=True) if not s)
+
+
+def test_mixtral_sliding_window_matches_transformers(tmp_path):
+    path = str(build_tiny_checkpoint(tmp_path / "m", "MixtralForCausalLM", seed=5,
+                                     sliding_window=8))
+    prompts = mixed_prompts(13, lengths=(5, 30))
+    assert run(LLM(path, **ENGINE), prompts) == hf_greedy(path, prompts, MAX_NEW)
