@@ -1,7 +1,8 @@
 """``FusedMoE`` loads per-expert checkpoint tensors into its stacked weights and computes the
 routed sum of a per-token float64 reference (both the grouped path and the dense path used
 during CUDA graph capture); tensor-parallel ranks' partial outputs sum to the whole; a
-checkpoint missing an expert's tensor is refused by name."""
+checkpoint missing an expert's tensor is refused by name; a quantization method's
+``get_moe_method`` replaces the computation."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from hitchllm import distributed
-from hitchllm.layers import load_named_weights
+from hitchllm.layers import load_named_weights, process_weights_after_loading
 from hitchllm.layers.moe import (
     FusedMoE,
+    UnquantizedMoEMethod,
     dense_experts,
     expert_route,
     grouped_experts,
@@ -157,3 +159,77 @@ def test_tensor_parallel_ranks_sum_to_the_whole(monkeypatch, world_size):
 def test_indivisible_intermediate_size_is_refused():
     with distributed.tensor_parallel(0, 5), pytest.raises(ValueError, match="not divisible"):
         FusedMoE(E, H, INTER)
+
+
+class TransposedMoEMethod(UnquantizedMoEMethod):
+    """A method that repacks after loading (as a kernel would): experts' weights transposed."""
+
+    def process_weights_after_loading(self, layer):
+        layer.w13_t = layer.w13_weight.transpose(1, 2).contiguous()
+        layer.w2_t = layer.w2_weight.transpose(1, 2).contiguous()
+        layer.w13_weight.data.zero_()  # apply must not read the loaded layout any more
+
+    def apply(self, layer, hidden, topk_weights, topk_ids):
+        combine = torch.zeros(hidden.shape[0], layer.num_experts).scatter_add_(
+            1, topk_ids, topk_weights.float())
+        gate_up = torch.einsum("th,ehi->tei", hidden, layer.w13_t)
+        gate, up = gate_up.chunk(2, dim=-1)
+        down = torch.einsum("tei,eih->teh", F.silu(gate) * up, layer.w2_t)
+        return (down * combine.unsqueeze(-1)).sum(1)
+
+
+class MoEQuantConfig:
+    def __init__(self) -> None:
+        self.prefixes: list[str] = []
+
+    def get_linear_method(self, layer, prefix):
+        return None
+
+    def get_moe_method(self, layer, prefix):
+        self.prefixes.append(prefix)
+        return TransposedMoEMethod()
+
+
+def test_quant_config_supplies_the_moe_method():
+    """``get_moe_method`` chooses the layer's method, which gets its
+    ``process_weights_after_loading`` call and then computes the layer's output."""
+    quant = MoEQuantConfig()
+    model = torch.nn.Module()
+    model.mlp = torch.nn.Module()
+    model.mlp.experts = FusedMoE(E, H, INTER, quant_config=quant, prefix="mlp.experts")
+    assert quant.prefixes == ["mlp.experts"]
+    tensors = expert_tensors(7)
+    load_named_weights(model, tensors.items(), {}, skip=lambda n: False, description="test",
+                       route=expert_route())
+    process_weights_after_loading(model)
+    hidden, weights, ids = routed_batch(11, seed=8)
+    out = model.mlp.experts(hidden, weights, ids)
+    torch.testing.assert_close(out.double(), reference(hidden, weights, ids, tensors),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_uses_the_dense_path():
+    """Captured in a CUDA graph (no host read possible), the layer replays the routed sum."""
+    tensors = expert_tensors(9)
+    with torch.device("cuda"):
+        layer = load_layer(tensors)
+    hidden, weights, ids = (t.cuda() for t in routed_batch(8, seed=10))
+    eager = layer(hidden, weights, ids)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer(hidden, weights, ids)  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = layer(hidden, weights, ids)
+    new_hidden, new_weights, new_ids = (t.cuda() for t in routed_batch(8, seed=11))
+    hidden.copy_(new_hidden)
+    weights.copy_(new_weights)
+    ids.copy_(new_ids)
+    graph.replay()
+    torch.testing.assert_close(captured.double().cpu(),
+                               reference(new_hidden.cpu(), new_weights.cpu(), new_ids.cpu(),
+                                         tensors), rtol=1e-4, atol=1e-4)
+    assert not torch.equal(eager, captured)

@@ -88,3 +88,33 @@ def test_mixtral_sliding_window_matches_transformers(tmp_path):
                                      sliding_window=8))
     prompts = mixed_prompts(13, lengths=(5, 30))
     assert run(LLM(path, **ENGINE), prompts) == hf_greedy(path, prompts, MAX_NEW)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"num_experts_per_tok": 9}, r"num_experts_per_tok \(9\) must be between 1 and the number "
+                                 r"of experts \(8\)"),
+    ({"hidden_act": "gelu", "mlp_only_layers": []}, "activation 'gelu' is not supported"),
+])
+def test_bad_moe_config_is_named(tmp_path, overrides, message):
+    path = build_tiny_checkpoint(tmp_path / "m", "Qwen3MoeForCausalLM")
+    config = ModelConfig.from_pretrained(path)
+    config.hf_config.update(overrides)
+    config.hidden_act = config.hf_config["hidden_act"]
+    with torch.device("meta"), pytest.raises(ValueError, match=message):
+        Qwen3MoeForCausalLM(config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
+def test_cuda_graphs_match_transformers(moe_models, arch):
+    """On CUDA (fp32) decode steps replay CUDA graphs, whose capture takes the dense expert
+    path; tokens still equal transformers'."""
+    path, prompts, expected = moe_models[arch]
+    llm = LLM(path, device="cuda", dtype="float32", attention_backend="TRITON_ATTN", **ENGINE)
+    graphs = llm.engine.executor.runner.graphs
+    assert graphs.captured
+    replays = []
+    replay = graphs.replay
+    graphs.replay = lambda size, query_len=1: replays.append(size) or replay(size, query_len)
+    assert run(llm, prompts) == expected
+    assert replays

@@ -149,8 +149,9 @@ def dense_experts(
 
 
 class FusedMoE(nn.Module):
-    """``num_experts`` gated (SiLU) MLPs ``hidden_size -> intermediate_size -> hidden_size``
-    and the routed sum over them; see the module docstring.
+    """``num_experts`` gated MLPs ``hidden_size -> intermediate_size -> hidden_size`` and the
+    routed sum over them; see the module docstring. ``activation`` is the config's
+    ``hidden_act``; only ``"silu"`` is supported.
 
     ``reduce_results`` sums the ranks' partial outputs (``distributed.all_reduce``) under
     tensor parallelism; turn it off to add a shared expert's partial output first.
@@ -158,10 +159,13 @@ class FusedMoE(nn.Module):
 
     def __init__(
         self, num_experts: int, hidden_size: int, intermediate_size: int, *,
-        reduce_results: bool = True, quant_config: QuantizationMethod | None = None,
-        prefix: str = "", method: MoEMethod | None = None,
+        activation: str = "silu", reduce_results: bool = True,
+        quant_config: QuantizationMethod | None = None, prefix: str = "",
+        method: MoEMethod | None = None,
     ) -> None:
         super().__init__()
+        if activation != "silu":
+            raise ValueError(f"expert activation {activation!r} is not supported (only silu)")
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size

@@ -4,6 +4,10 @@
 - Qwen2: q/k/v bias always, no o bias.
 - Qwen3: RMSNorm on each query and key head before rotary (q_norm / k_norm).
 
+The mixture-of-experts members (Qwen3-MoE, Mixtral: ``hitchllm.models.moe``) subclass
+``LlamaForCausalLM`` and swap each layer's MLP (``MAKE_MLP``) and the rule that places
+per-expert checkpoint tensors (``ROUTE``).
+
 Built from ``hitchllm.layers``: q/k/v run as one ``QKVParallelLinear`` and gate/up as one
 ``MergedColumnParallelLinear`` (two matmuls fewer per layer); their weight loaders place the
 checkpoint's separate tensors in their slots, so ``load_weights`` only routes names. Every
@@ -103,19 +107,18 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     def __init__(
-        self, config: ModelConfig, quant_config: QuantizationMethod | None, prefix: str,
-        intermediate_size: int | None = None,
+        self, config: ModelConfig, quant_config: QuantizationMethod | None, prefix: str
     ) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
-        inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [inter] * 2, quant_config=quant_config,
+            config.hidden_size, [config.intermediate_size] * 2, quant_config=quant_config,
             prefix=f"{prefix}.gate_up_proj",
         )
         self.down_proj = RowParallelLinear(
-            inter, config.hidden_size, quant_config=quant_config, prefix=f"{prefix}.down_proj",
+            config.intermediate_size, config.hidden_size, quant_config=quant_config,
+            prefix=f"{prefix}.down_proj",
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -201,7 +204,7 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
     # Builds each layer's MLP; the mixture-of-experts members replace it.
-    make_mlp: ClassVar[MLPFactory] = staticmethod(dense_mlp)
+    MAKE_MLP: ClassVar[MLPFactory] = staticmethod(dense_mlp)
     # Checkpoint names placed by a rule rather than STACKED (experts), or None.
     ROUTE: ClassVar[Route | None] = None
 
@@ -210,7 +213,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, quant_config, "model", self.make_mlp)
+        self.model = LlamaModel(config, quant_config, "model", self.MAKE_MLP)
         tied = config.tie_word_embeddings
         self.lm_head = ParallelLMHead(
             config.vocab_size, config.hidden_size, quant_config=None if tied else quant_config,

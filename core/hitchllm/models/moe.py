@@ -48,14 +48,16 @@ class SparseMoeBlock(nn.Module):
     """Softmax top-k routing over ``experts.num_experts`` gated MLPs."""
 
     def __init__(
-        self, hidden_size: int, experts: ExpertsConfig, quant_config: QuantizationMethod | None,
-        prefix: str,
+        self, config: ModelConfig, experts: ExpertsConfig,
+        quant_config: QuantizationMethod | None, prefix: str,
     ) -> None:
         super().__init__()
         self.top_k = experts.top_k
         self.renormalize = experts.renormalize
-        self.gate = ReplicatedLinear(hidden_size, experts.num_experts, prefix=f"{prefix}.gate")
-        self.experts = FusedMoE(experts.num_experts, hidden_size, experts.intermediate_size,
+        self.gate = ReplicatedLinear(config.hidden_size, experts.num_experts,
+                                     prefix=f"{prefix}.gate")
+        self.experts = FusedMoE(experts.num_experts, config.hidden_size,
+                                experts.intermediate_size, activation=config.hidden_act,
                                 quant_config=quant_config, prefix=f"{prefix}.experts")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -83,7 +85,7 @@ def qwen3_moe_mlp(
     experts = qwen3_moe_experts(config)
     step = hf.get("decoder_sparse_step", 1)
     if layer_index not in (hf.get("mlp_only_layers") or []) and (layer_index + 1) % step == 0:
-        return SparseMoeBlock(config.hidden_size, experts, quant_config, prefix)
+        return SparseMoeBlock(config, experts, quant_config, prefix)
     return LlamaMLP(config, quant_config, prefix)
 
 
@@ -95,20 +97,20 @@ def mixtral_mlp(
     experts = ExpertsConfig(num_experts=hf.get("num_local_experts", 0),
                             top_k=hf["num_experts_per_tok"],
                             intermediate_size=config.intermediate_size, renormalize=True)
-    return SparseMoeBlock(config.hidden_size, experts, quant_config, prefix)
+    return SparseMoeBlock(config, experts, quant_config, prefix)
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     """Qwen3-MoE: Qwen3's attention, sparse MLP blocks (dense where the config says)."""
 
-    make_mlp: ClassVar[MLPFactory] = staticmethod(qwen3_moe_mlp)
+    MAKE_MLP: ClassVar[MLPFactory] = staticmethod(qwen3_moe_mlp)
     ROUTE: ClassVar[Route | None] = staticmethod(expert_route())
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
     """Mixtral: Mistral's attention, every MLP a sparse block (``block_sparse_moe``)."""
 
-    make_mlp: ClassVar[MLPFactory] = staticmethod(mixtral_mlp)
+    MAKE_MLP: ClassVar[MLPFactory] = staticmethod(mixtral_mlp)
     ROUTE: ClassVar[Route | None] = staticmethod(
         expert_route("w1", "w3", "w2", module=("block_sparse_moe", "mlp")))
 
