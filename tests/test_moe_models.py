@@ -69,16 +69,21 @@ def test_prefix_cache_hits_keep_tokens(moe_models, arch):
     assert outs[0].num_cached_tokens == 20
 
 
-def test_qwen3_moe_sparse_layers_follow_transformers(tmp_path):
-    """decoder_sparse_step and mlp_only_layers pick the same sparse layers as transformers."""
-    path = build_tiny_checkpoint(tmp_path / "m", "Qwen3MoeForCausalLM", num_hidden_layers=6,
-                                 decoder_sparse_step=2, mlp_only_layers=[3])
+@pytest.mark.parametrize(("overrides", "sparse"), [
+    (dict(num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3]),
+     [False, True, False, False, False, True]),
+    (dict(num_experts=0), [False, False, False]),
+])
+def test_qwen3_moe_sparse_layers_follow_transformers(tmp_path, overrides, sparse):
+    """decoder_sparse_step, mlp_only_layers and an expert count of zero pick the same sparse
+    layers as transformers."""
+    path = build_tiny_checkpoint(tmp_path / "m", "Qwen3MoeForCausalLM", **overrides)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path)
     hf_sparse = [type(layer.mlp).__name__.endswith("SparseMoeBlock") for layer in hf.model.layers]
     with torch.device("meta"):
         ours = Qwen3MoeForCausalLM(ModelConfig.from_pretrained(path))
     our_sparse = [isinstance(layer.mlp, SparseMoeBlock) for layer in ours.model.layers]
-    assert our_sparse == hf_sparse == [False, True, False, False, False, True]
+    assert our_sparse == hf_sparse == sparse
     assert all(isinstance(layer.mlp, LlamaMLP) for layer, s in zip(ours.model.layers, our_sparse,
                                                                   strict=True) if not s)
 

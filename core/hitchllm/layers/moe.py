@@ -9,10 +9,11 @@ layer's ``weight_loader`` places it there (this rank's slice of the intermediate
 under tensor parallelism: gate/up rows, down columns, outputs summed over ranks).
 
 ``forward(hidden [T, H], topk_weights [T, k], topk_ids [T, k])`` returns ``sum_j
-topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t])``. How is the method's business
-(``MoEMethod``, chosen like a linear method: ``quant_config.get_moe_method(layer, prefix)``
-when the quantization method has one, else ``UnquantizedMoEMethod``). The routing functions
-(``softmax_topk``, ``grouped_topk``) live in ``hitchllm.layers.moe_routing``.
+topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t])``. The layer's ``MoEMethod`` computes
+it; it is chosen like a linear method: ``quant_config.get_moe_method(layer, prefix)`` when the
+quantization method has one, else ``UnquantizedMoEMethod`` (plain PyTorch). The routing
+functions (``softmax_topk``, ``grouped_topk``, from ``hitchllm.layers.moe_routing``) give the
+top-k weights and ids from router logits.
 """
 
 from __future__ import annotations

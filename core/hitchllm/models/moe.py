@@ -79,13 +79,14 @@ def qwen3_moe_experts(config: ModelConfig) -> ExpertsConfig:
 def qwen3_moe_mlp(
     config: ModelConfig, layer_index: int, quant_config: QuantizationMethod | None, prefix: str
 ) -> nn.Module:
-    """A sparse block unless ``mlp_only_layers`` lists the layer or it is off the
-    ``decoder_sparse_step`` (transformers' rule)."""
+    """A sparse block unless the config has no experts, ``mlp_only_layers`` lists the layer
+    or it is off the ``decoder_sparse_step`` (transformers' rule)."""
     hf = config.hf_config
-    experts = qwen3_moe_experts(config)
+    has_experts = bool(hf.get("num_experts") or hf.get("num_local_experts"))
     step = hf.get("decoder_sparse_step", 1)
-    if layer_index not in (hf.get("mlp_only_layers") or []) and (layer_index + 1) % step == 0:
-        return SparseMoeBlock(config, experts, quant_config, prefix)
+    if (has_experts and layer_index not in (hf.get("mlp_only_layers") or [])
+            and (layer_index + 1) % step == 0):
+        return SparseMoeBlock(config, qwen3_moe_experts(config), quant_config, prefix)
     return LlamaMLP(config, quant_config, prefix)
 
 
