@@ -1,5 +1,6 @@
-"""The core's own plugin: the TORCH attention backend, the Llama-family models and the logits
-processors behind ``logit_bias``, ``allowed_token_ids`` and ``bad_words``.
+"""The core's own plugin: the TORCH attention backend, the Llama-family models (dense and
+mixture-of-experts) and the logits processors behind ``logit_bias``, ``allowed_token_ids``
+and ``bad_words``.
 
 Registered through the same hooks as third-party plugins.
 """
@@ -16,6 +17,7 @@ from hitchllm.engine.logits_processors import AllowedTokenIds, BadWords, LogitBi
 from hitchllm.hookspecs import hookimpl
 from hitchllm.logits_processor import LogitsProcessor
 from hitchllm.models.llama import LlamaForCausalLM
+from hitchllm.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 
 
 @hookimpl
@@ -30,6 +32,8 @@ def hitchllm_model_architectures() -> dict[str, type[nn.Module]]:
         "MistralForCausalLM": LlamaForCausalLM,
         "Qwen2ForCausalLM": LlamaForCausalLM,
         "Qwen3ForCausalLM": LlamaForCausalLM,
+        "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+        "MixtralForCausalLM": MixtralForCausalLM,
     }
 
 

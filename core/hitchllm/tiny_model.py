@@ -21,6 +21,16 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Mixture-of-experts members of the family (built on request; not in the dense test matrix).
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+# Small expert layers: 8 (Qwen3-MoE) or 4 (Mixtral) experts, top-2; Qwen3-MoE's middle layer
+# of three is dense (mlp_only_layers), as its configs allow.
+_MOE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "Qwen3MoeForCausalLM": dict(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
+                                moe_intermediate_size=32, norm_topk_prob=True,
+                                mlp_only_layers=[1]),
+    "MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
+}
 
 _TEXT = """
 def add(a, b):
@@ -95,10 +105,11 @@ def _hf_config(architecture: str, vocab_size: int, eos_id: int, overrides: dict[
         pad_token_id=eos_id,
         tie_word_embeddings=False,
     )
-    if architecture == "Qwen3ForCausalLM":
+    if architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
         common["head_dim"] = 16
-    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
         common["use_sliding_window"] = False
+    common.update(_MOE_DEFAULTS.get(architecture, {}))
     common.update(overrides)
     config_cls = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
     return config_cls(**common)
@@ -117,8 +128,9 @@ def build_tiny_checkpoint(
     """
     import transformers
 
-    if architecture not in ARCHITECTURES:
-        raise ValueError(f"unknown architecture {architecture!r}; use one of {ARCHITECTURES}")
+    if architecture not in ARCHITECTURES + MOE_ARCHITECTURES:
+        raise ValueError(f"unknown architecture {architecture!r}; use one of "
+                         f"{ARCHITECTURES + MOE_ARCHITECTURES}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()

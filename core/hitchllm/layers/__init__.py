@@ -1,6 +1,6 @@
 """Model building blocks that plugins hold on to: linear layers with a pluggable linear method
-(quantization) and tensor-parallel weight loaders, and the vocabulary-parallel embedding and
-LM head."""
+(quantization) and tensor-parallel weight loaders, the vocabulary-parallel embedding and LM
+head, and the mixture-of-experts layer with its routing functions."""
 
 from hitchllm.layers.linear import (
     ColumnParallelLinear,
@@ -19,23 +19,37 @@ from hitchllm.layers.method import (
     default_weight_loader,
     set_weight_attrs,
 )
+from hitchllm.layers.moe import (
+    FusedMoE,
+    MoEMethod,
+    UnquantizedMoEMethod,
+    expert_route,
+    grouped_topk,
+    softmax_topk,
+)
 from hitchllm.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 
 __all__ = [
     "ColumnParallelLinear",
+    "FusedMoE",
     "LinearBase",
     "LinearMethod",
     "MergedColumnParallelLinear",
+    "MoEMethod",
     "ParallelLMHead",
     "QKVParallelLinear",
     "QuantizationMethod",
     "ReplicatedLinear",
     "RowParallelLinear",
     "UnquantizedLinearMethod",
+    "UnquantizedMoEMethod",
     "VocabParallelEmbedding",
     "WeightLoader",
     "default_weight_loader",
+    "expert_route",
+    "grouped_topk",
     "load_named_weights",
     "process_weights_after_loading",
     "set_weight_attrs",
+    "softmax_topk",
 ]

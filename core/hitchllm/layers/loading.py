@@ -20,6 +20,8 @@ from torch import nn
 from hitchllm.layers.method import ShardId, default_weight_loader
 
 Stacking = Mapping[str, tuple[str, ShardId]]
+# A checkpoint name -> (parameter name, slot), or None when the rule does not apply.
+Route = Callable[[str], tuple[str, ShardId] | None]
 
 
 def load_named_weights(
@@ -29,6 +31,7 @@ def load_named_weights(
     skip: Callable[[str], bool],
     description: str,
     rename: Callable[[str], str | None] | None = None,
+    route: Route | None = None,
 ) -> None:
     """Load ``weights`` into ``model``'s parameters; raise ``ValueError`` listing what is
     missing and unexpected (``description`` names the model in that message).
@@ -38,7 +41,10 @@ def load_named_weights(
     does not need (a tied ``lm_head.weight``, rotary caches). ``rename(name)`` gives the
     parameter name of a checkpoint tensor whose name the model spells differently (a
     KV-cache scale, see ``hitchllm.attention.kv_scale_target``), or None; it applies before
-    ``stacked``, and errors still quote the checkpoint's name.
+    ``stacked``, and errors still quote the checkpoint's name. ``route(name)`` gives
+    ``(parameter name, slot)`` for tensors that a rule places rather than the ``stacked``
+    table (one expert's projection into a mixture-of-experts layer's stacked weights, see
+    ``hitchllm.layers.moe.expert_route``), or None; it applies first.
     """
     params = dict(model.named_parameters())
     loaded: set[tuple[str, ShardId]] = set()
@@ -46,10 +52,11 @@ def load_named_weights(
     for name, tensor in weights:
         if skip(name):
             continue
-        renamed = rename(name) if rename is not None else None
-        target, shard = renamed or name, None
+        routed = route(name) if route is not None else None
+        renamed = rename(name) if rename is not None and routed is None else None
+        target, shard = routed or (renamed or name, None)
         for part, (stacked_name, slot) in stacked.items():
-            if renamed is None and f".{part}." in name:
+            if routed is None and renamed is None and f".{part}." in name:
                 target, shard = name.replace(f".{part}.", f".{stacked_name}."), slot
                 break
         param = params.get(target)
@@ -80,8 +87,10 @@ def load_named_weights(
 
 
 def process_weights_after_loading(model: nn.Module) -> None:
-    """Give every layer's linear method its ``process_weights_after_loading`` call."""
+    """Give every layer's linear method (and mixture-of-experts method) its
+    ``process_weights_after_loading`` call."""
     for module in model.modules():
-        method = getattr(module, "linear_method", None)
-        if method is not None:
-            method.process_weights_after_loading(module)
+        for attr in ("linear_method", "moe_method"):
+            method = getattr(module, attr, None)
+            if method is not None:
+                method.process_weights_after_loading(module)

@@ -31,7 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ShardId = int | str | None
+# A slot of a stacked parameter: ``"q"``/``"k"``/``"v"``, ``0``/``1`` (gate/up), or
+# ``(expert, "gate" | "up" | "down")`` in a mixture-of-experts layer's stacked expert weights.
+ShardId = int | str | tuple[int, str] | None
 
 
 class WeightLoader(Protocol):

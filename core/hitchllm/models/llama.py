@@ -4,6 +4,10 @@
 - Qwen2: q/k/v bias always, no o bias.
 - Qwen3: RMSNorm on each query and key head before rotary (q_norm / k_norm).
 
+The mixture-of-experts members (Qwen3-MoE, Mixtral: ``hitchllm.models.moe``) subclass
+``LlamaForCausalLM`` and swap each layer's MLP (``MAKE_MLP``) and the rule that places
+per-expert checkpoint tensors (``ROUTE``).
+
 Built from ``hitchllm.layers``: q/k/v run as one ``QKVParallelLinear`` and gate/up as one
 ``MergedColumnParallelLinear`` (two matmuls fewer per layer); their weight loaders place the
 checkpoint's separate tensors in their slots, so ``load_weights`` only routes names. Every
@@ -13,7 +17,7 @@ method, with its parameter-name prefix.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -31,7 +35,7 @@ from hitchllm.layers import (
     VocabParallelEmbedding,
     load_named_weights,
 )
-from hitchllm.layers.loading import Stacking
+from hitchllm.layers.loading import Route, Stacking
 from hitchllm.models import fused
 from hitchllm.models.norm import RMSNorm
 from hitchllm.models.rope import RotaryEmbedding
@@ -53,7 +57,8 @@ def family_traits(config: ModelConfig) -> FamilyTraits:
         return FamilyTraits(qkv_bias=True, o_bias=False, qk_norm=False)
     bias = bool(hf.get("attention_bias", False))
     return FamilyTraits(
-        qkv_bias=bias, o_bias=bias, qk_norm=config.architecture == "Qwen3ForCausalLM"
+        qkv_bias=bias, o_bias=bias,
+        qk_norm=config.architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
     )
 
 
@@ -120,17 +125,32 @@ class LlamaMLP(nn.Module):
         return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x)))
 
 
+# (config, layer index, quant_config, prefix of the layer's "mlp") -> the layer's MLP module.
+MLPFactory = Callable[[ModelConfig, int, QuantizationMethod | None, str], nn.Module]
+
+
+def dense_mlp(
+    config: ModelConfig, layer_index: int, quant_config: QuantizationMethod | None, prefix: str
+) -> nn.Module:
+    """Every layer's MLP in the dense members of the family."""
+    return LlamaMLP(config, quant_config, prefix)
+
+
 class LlamaDecoderLayer(nn.Module):
+    """Attention and MLP with pre-norms; ``make_mlp`` builds the MLP (a dense ``LlamaMLP`` by
+    default, a mixture of experts in the MoE members of the family)."""
+
     def __init__(
         self, config: ModelConfig, traits: FamilyTraits, layer_index: int,
         rotary: RotaryEmbedding, quant_config: QuantizationMethod | None, prefix: str,
+        make_mlp: MLPFactory = dense_mlp,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, traits, layer_index, rotary, quant_config,
                                         f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config, quant_config, f"{prefix}.mlp")
+        self.mlp = make_mlp(config, layer_index, quant_config, f"{prefix}.mlp")
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
@@ -148,7 +168,8 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(
-        self, config: ModelConfig, quant_config: QuantizationMethod | None, prefix: str
+        self, config: ModelConfig, quant_config: QuantizationMethod | None, prefix: str,
+        make_mlp: MLPFactory = dense_mlp,
     ) -> None:
         super().__init__()
         traits = family_traits(config)
@@ -161,7 +182,8 @@ class LlamaModel(nn.Module):
             config.rope_scaling,
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, traits, i, rotary, quant_config, f"{prefix}.layers.{i}")
+            LlamaDecoderLayer(config, traits, i, rotary, quant_config, f"{prefix}.layers.{i}",
+                              make_mlp)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -181,13 +203,17 @@ class LlamaForCausalLM(nn.Module):
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
+    # Builds each layer's MLP; the mixture-of-experts members replace it.
+    MAKE_MLP: ClassVar[MLPFactory] = staticmethod(dense_mlp)
+    # Checkpoint names placed by a rule rather than STACKED (experts), or None.
+    ROUTE: ClassVar[Route | None] = None
 
     def __init__(
         self, config: ModelConfig, quant_config: QuantizationMethod | None = None
     ) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, quant_config, "model")
+        self.model = LlamaModel(config, quant_config, "model", self.MAKE_MLP)
         tied = config.tie_word_embeddings
         self.lm_head = ParallelLMHead(
             config.vocab_size, config.hidden_size, quant_config=None if tied else quant_config,
@@ -211,5 +237,9 @@ class LlamaForCausalLM(nn.Module):
             self, weights, self.STACKED,
             skip=lambda name: "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"),
             description=f"{type(self).__name__} ({self.config.architecture})",
-            rename=lambda name: kv_scale_target(name, "self_attn", "attn"),
+            rename=self.rename_weight, route=self.ROUTE,
         )
+
+    def rename_weight(self, name: str) -> str | None:
+        """The parameter name of a checkpoint tensor the model spells differently, or None."""
+        return kv_scale_target(name, "self_attn", "attn")
