@@ -1,0 +1,23 @@
+"""The plugin's hooks: the MLA attention backends and the DeepSeek models."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from hitchllm import hookimpl
+from hitchllm.attention import AttentionBackend
+from hitchllm_attention_mla.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from hitchllm_attention_mla.torch_mla import TorchMLABackend
+
+
+@hookimpl
+def hitchllm_attention_backends() -> list[type[AttentionBackend]]:
+    """``TORCH_MLA``: the reference MLA backend (any device)."""
+    return [TorchMLABackend]
+
+
+@hookimpl
+def hitchllm_model_architectures() -> dict[str, type[nn.Module]]:
+    """DeepSeek-V2 and V3, with multi-head latent attention."""
+    return {"DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+            "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM}
