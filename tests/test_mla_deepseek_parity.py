@@ -12,7 +12,7 @@ from test_models_hf_parity import MAX_NEW, greedy, mixed_prompts, run
 from hitchllm import LLM
 
 SYSTEM = mixed_prompts(11, lengths=(22,))[0]
-PROMPTS = [SYSTEM + [7, 8, 9], SYSTEM + [10, 11], *mixed_prompts(5, lengths=(1, 6, 13, 40))]
+PROMPTS = [[*SYSTEM, 7, 8, 9], [*SYSTEM, 10, 11], *mixed_prompts(5, lengths=(1, 6, 13, 40))]
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
