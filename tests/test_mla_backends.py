@@ -15,7 +15,10 @@ from hitchllm.attention.selector import (
     select_attention_backend,
 )
 
-MLA_BACKENDS = {"TORCH_MLA"}
+MLA_BACKENDS = {"TORCH_MLA", "TRITON_MLA"}
+# The tests run with TRITON_INTERPRET=1 (conftest), where TRITON_MLA serves float32 on the CPU
+# and, with the higher priority, wins auto mode.
+BEST_MLA = "TRITON_MLA"
 
 
 def mla_spec(**fields) -> AttentionSpec:
@@ -38,7 +41,9 @@ def test_only_mla_backends_serve_an_mla_spec():
     ranked = rank_backends(mla_spec())
     assert {c.name for c in ranked} >= MLA_BACKENDS
     assert {c.name for c in ranked if c.valid} == MLA_BACKENDS
-    assert ranked[0].name == "TORCH_MLA"
+    assert ranked[0].name == BEST_MLA
+    assert {c.name: c.backend.priority for c in ranked}["TORCH_MLA"] < \
+        {c.name: c.backend.priority for c in ranked}["TRITON_MLA"]
     for c in ranked:
         if c.name not in MLA_BACKENDS:
             assert c.reasons, c.name
@@ -63,7 +68,14 @@ def test_forcing_a_standard_backend_on_mla_is_refused(forced):
         select_attention_backend(mla_spec(), forced)
 
 
-def test_auto_picks_torch_mla_for_deepseek(auto_backend, deepseek_path):
+def test_auto_picks_an_mla_backend_for_deepseek(auto_backend, deepseek_path):
+    llm = LLM(deepseek_path, block_size=4)
+    assert llm.engine.attention_backend.name == BEST_MLA
+
+
+def test_auto_falls_back_to_torch_mla_without_triton_mla(auto_backend, monkeypatch,
+                                                         deepseek_path):
+    monkeypatch.delenv("TRITON_INTERPRET")  # TRITON_MLA: "no CUDA device"
     llm = LLM(deepseek_path, block_size=4)
     assert llm.engine.attention_backend.name == "TORCH_MLA"
 
@@ -73,7 +85,8 @@ def test_forcing_triton_attn_on_deepseek_is_refused(deepseek_path):
         LLM(deepseek_path, attention_backend="TRITON_ATTN")
 
 
-def test_forcing_torch_mla_on_llama_is_refused(llama_path):
+@pytest.mark.parametrize("forced", sorted(MLA_BACKENDS))
+def test_forcing_an_mla_backend_on_llama_is_refused(llama_path, forced):
     with pytest.raises(AttentionBackendError,
-                       match="TORCH_MLA.*multi-head latent attention.*standard attention"):
-        LLM(llama_path, attention_backend="TORCH_MLA")
+                       match=f"{forced}.*multi-head latent attention.*standard attention"):
+        LLM(llama_path, attention_backend=forced)

@@ -8,12 +8,14 @@ from hitchllm import hookimpl
 from hitchllm.attention import AttentionBackend
 from hitchllm_attention_mla.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from hitchllm_attention_mla.torch_mla import TorchMLABackend
+from hitchllm_attention_mla.triton_mla import TritonMLABackend
 
 
 @hookimpl
 def hitchllm_attention_backends() -> list[type[AttentionBackend]]:
-    """``TORCH_MLA``: the reference MLA backend (any device)."""
-    return [TorchMLABackend]
+    """``TRITON_MLA``: the Triton paged decode kernel (NVIDIA GPUs); ``TORCH_MLA``: the
+    reference MLA backend (any device)."""
+    return [TritonMLABackend, TorchMLABackend]
 
 
 @hookimpl
