@@ -7,16 +7,18 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from hitchllm_attention_mla import MLAAttention, MLADims, TorchMLABackend
-from hitchllm_attention_mla.deepseek import MOE_PENDING
-from hitchllm_attention_mla.rope import DeepseekRotaryEmbedding, softmax_scale
 from mla_checkpoints import build_tiny_deepseek
 from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf_v2
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
 
+pytest.importorskip("hitchllm_attention_mla")
+
 from hitchllm import LLM
 from hitchllm.attention import AttentionSpec, CommonAttentionMetadata, set_forward_context
 from hitchllm.layers import ColumnParallelLinear
+from hitchllm_attention_mla import MLAAttention, MLADims, TorchMLABackend
+from hitchllm_attention_mla.deepseek import MOE_PENDING
+from hitchllm_attention_mla.rope import DeepseekRotaryEmbedding, softmax_scale
 
 DIMS = MLADims(num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
                v_head_dim=12)

@@ -7,6 +7,8 @@ import pytest
 import torch
 from mla_checkpoints import build_tiny_deepseek
 
+pytest.importorskip("hitchllm_attention_mla")
+
 from hitchllm import LLM
 from hitchllm.attention import AttentionSpec
 from hitchllm.attention.selector import (

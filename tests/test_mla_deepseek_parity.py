@@ -9,6 +9,8 @@ from mla_checkpoints import CONFIGS, build_tiny_deepseek
 from reference import hf_greedy
 from test_models_hf_parity import MAX_NEW, greedy, mixed_prompts, run
 
+pytest.importorskip("hitchllm_attention_mla")
+
 from hitchllm import LLM
 
 SYSTEM = mixed_prompts(11, lengths=(22,))[0]

@@ -8,6 +8,8 @@ import logging
 import pytest
 from mla_checkpoints import build_tiny_deepseek
 
+pytest.importorskip("hitchllm_attention_mla")
+
 from hitchllm import LLM
 from hitchllm.attention import KVCacheKind
 

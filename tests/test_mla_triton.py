@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-pytest.importorskip("triton")
-
-from hitchllm_attention_mla.triton_mla import TritonMLABackend, mla_decode
 from mla_checkpoints import CONFIGS, build_tiny_deepseek
 from reference import hf_greedy
 from test_models_hf_parity import mixed_prompts, run
 
+pytest.importorskip("triton")
+pytest.importorskip("hitchllm_attention_mla")
+
 from hitchllm import LLM
 from hitchllm.attention import AttentionSpec
+from hitchllm_attention_mla.triton_mla import TritonMLABackend, mla_decode
 
 
 def reference_decode(q, cache, block_table, seq_lens, scale, rank):
