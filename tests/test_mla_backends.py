@@ -16,6 +16,7 @@ from hitchllm.attention.selector import (
     rank_backends,
     select_attention_backend,
 )
+from hitchllm.entrypoints.backends_table import print_backends
 
 MLA_BACKENDS = {"TORCH_MLA", "TRITON_MLA"}
 # The tests run with TRITON_INTERPRET=1 (conftest), where TRITON_MLA serves float32 on the CPU
@@ -92,3 +93,11 @@ def test_forcing_an_mla_backend_on_llama_is_refused(llama_path, forced):
     with pytest.raises(AttentionBackendError,
                        match=f"{forced}.*multi-head latent attention.*standard attention"):
         LLM(llama_path, attention_backend=forced)
+
+
+def test_backends_table_shows_the_mla_spec_of_a_deepseek_model(deepseek_path, capsys,
+                                                               auto_backend):
+    assert print_backends(deepseek_path, "cpu", "float32", 16) == 0
+    out = capsys.readouterr().out
+    assert "head size 40 (MLA latent), heads 4/1" in out
+    assert f"auto mode picks: {BEST_MLA}" in out
