@@ -42,9 +42,10 @@ def random_case(heads, rank, rope, seq_lens, block_size, dtype, device, seed=0):
 
 @pytest.mark.parametrize("num_splits", [1, 3, None])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_decode_kernel_matches_float64(num_splits, dtype):
+@pytest.mark.parametrize("heads", [5, 20])  # one block of heads, and two (the last partial)
+def test_decode_kernel_matches_float64(num_splits, dtype, heads):
     seq_lens = [1, 7, 33, 50]
-    q, cache, table, lens = random_case(5, 32, 8, seq_lens, 4, dtype, "cpu")
+    q, cache, table, lens = random_case(heads, 32, 8, seq_lens, 4, dtype, "cpu")
     out = mla_decode(q, cache, table, lens, 0.2, 32, max(seq_lens), num_splits=num_splits)
     expected = reference_decode(q, cache, table, lens, 0.2, 32)
     tol = 1e-5 if dtype == torch.float32 else 2e-3

@@ -48,7 +48,9 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     from hitchllm_attention_mla.triton_mla_kernel import mla_decode_partials
 
     n, heads, width = q.shape
-    block_h = min(_next_pow2(heads), 64)
+    # 16 heads per program: its output block (16 x kv_lora_rank float32, 32 KiB at V3's 512)
+    # stays in registers; the other head blocks re-read the same latents, mostly from L2.
+    block_h = 16
     head_blocks = -(-heads // block_h)
     if num_splits is None:
         wanted = max(1, TARGET_PROGRAMS // max(1, n * head_blocks))
