@@ -15,7 +15,7 @@ pytest.importorskip("hitchllm_attention_mla")
 
 from hitchllm import LLM
 from hitchllm.attention import AttentionSpec, CommonAttentionMetadata, set_forward_context
-from hitchllm.layers import ColumnParallelLinear
+from hitchllm.layers import ColumnParallelLinear, UnquantizedLinearMethod
 from hitchllm_attention_mla import MLAAttention, MLADims, TorchMLABackend
 from hitchllm_attention_mla.deepseek import MOE_PENDING
 from hitchllm_attention_mla.rope import DeepseekRotaryEmbedding, softmax_scale
@@ -143,3 +143,29 @@ def test_moe_layers_are_refused_until_the_moe_layer_lands(tmp_path):
                                first_k_dense_replace=1)
     with pytest.raises(ValueError, match=f"{MOE_PENDING}.*layer 1 "):
         LLM(path, attention_backend="TORCH_MLA")
+
+
+class _ScaledLinearMethod(UnquantizedLinearMethod):
+    """Stands for any method that applies more than the plain weight (a quantization, LoRA)."""
+
+    def apply(self, layer, x, bias=None):
+        return 2 * super().apply(layer, x, bias)
+
+
+class _ScaleKvB:
+    def get_linear_method(self, layer, prefix):
+        return _ScaledLinearMethod() if prefix.endswith("kv_b_proj") else None
+
+
+def test_binding_refuses_a_kv_b_proj_that_is_not_a_plain_weight():
+    d = DIMS
+    kv_b_proj = ColumnParallelLinear(d.kv_lora_rank,
+                                     d.num_heads * (d.qk_nope_head_dim + d.v_head_dim),
+                                     quant_config=_ScaleKvB(), prefix="self_attn.kv_b_proj")
+    layer = MLAAttention(d, 0.3, 0, kv_b_proj)
+    spec = AttentionSpec(device_type="cpu", dtype=torch.float32, kv_cache_dtype=torch.float32,
+                         head_size=d.latent_width, num_heads=d.num_heads, num_kv_heads=1,
+                         block_size=BLOCK, use_mla=True)
+    impl = TorchMLABackend.get_impl_cls()(d.num_heads, d.latent_width, 0.3, 1, spec)
+    with pytest.raises(ValueError, match="plain kv_b_proj.*_ScaledLinearMethod"):
+        layer.bind(impl, torch.zeros(2, BLOCK, d.latent_width))

@@ -72,13 +72,15 @@ class MLAAttentionImpl(AttentionImpl):
     kv_b_proj: LinearBase
 
     def attach(self, dims: MLADims, kv_b_proj: LinearBase) -> None:
-        """Give the impl the layer's shapes and its up-projection. Raises ``ValueError`` for a
-        quantized ``kv_b_proj``, whose weight cannot be absorbed as a dense matrix."""
-        if not isinstance(kv_b_proj.linear_method, UnquantizedLinearMethod):
+        """Give the impl the layer's shapes and its up-projection. Raises ``ValueError`` when
+        ``kv_b_proj`` applies anything but its plain weight (quantization, a LoRA wrapper):
+        decode absorbs that weight as a dense matrix, which would silently drop the rest."""
+        if type(kv_b_proj.linear_method) is not UnquantizedLinearMethod:
             raise ValueError(
                 f"{type(self).__name__} absorbs kv_b_proj's weight into the decode query, which "
-                f"needs an unquantized kv_b_proj ({kv_b_proj.prefix} uses "
-                f"{type(kv_b_proj.linear_method).__name__}); exclude kv_b_proj from quantization")
+                f"needs a plain kv_b_proj ({kv_b_proj.prefix} uses "
+                f"{type(kv_b_proj.linear_method).__name__}); exclude kv_b_proj from "
+                "quantization and from LoRA target modules")
         self.dims = dims
         self.kv_b_proj = kv_b_proj
 
@@ -134,9 +136,9 @@ class MLAAttention(Attention):
         if impl is not None and not isinstance(impl, MLAAttentionImpl):
             raise ValueError(f"MLA layer {self.layer_index} needs an MLA attention backend, got "
                              f"{type(impl).__name__}")
-        super().bind(impl, kv_cache)
         if isinstance(impl, MLAAttentionImpl):
             impl.attach(self.dims, self._kv_b_proj[0])
+        super().bind(impl, kv_cache)
 
     def forward(  # type: ignore[override]
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c_normed: torch.Tensor,
