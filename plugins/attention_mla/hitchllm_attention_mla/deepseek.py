@@ -118,11 +118,16 @@ def moe_block(config: ModelConfig, layer_index: int, quant_config: QuantizationM
 
     MoE INTEGRATION POINT: build hitchllm's MoE layer here (routed experts with V2's
     greedy / group-limited softmax top-k or V3's sigmoid grouped top-k with
-    ``e_score_correction_bias``, ``routed_scaling_factor``, plus ``n_shared_experts`` shared
-    experts as a ``DeepseekMLP`` of ``moe_intermediate_size * n_shared_experts``), taking
-    ``[tokens, hidden]`` to ``[tokens, hidden]``; its checkpoint names live under
-    ``{prefix}`` (``mlp.gate.weight``, ``mlp.experts.{e}.gate_proj.weight``, ...,
-    ``mlp.shared_experts.*``), to route in ``DeepseekForCausalLM.load_weights``.
+    ``e_score_correction_bias`` and ``norm_topk_prob``, ``routed_scaling_factor``, plus
+    ``n_shared_experts`` shared experts as a ``DeepseekMLP`` of ``moe_intermediate_size *
+    n_shared_experts``), taking ``[tokens, hidden]`` to ``[tokens, hidden]``. Checkpoint names
+    under ``{prefix}`` (transformers writes them so too): ``gate.weight``,
+    ``gate.e_score_correction_bias`` (V3), ``experts.{e}.{gate,up,down}_proj.weight``,
+    ``shared_experts.{gate,up,down}_proj.weight``. ``DeepseekForCausalLM.STACKED`` rewrites
+    every ``.gate_proj.`` / ``.up_proj.`` to slots of ``.gate_up_proj.`` (right for the shared
+    experts); the experts' parameters must accept that or ``load_weights`` must route
+    ``mlp.experts.`` names first (its ``rename``). Then drop ``MOE_PENDING`` and the test
+    that expects it (``test_moe_layers_are_refused_until_the_moe_layer_lands``).
     """
     raise ValueError(f"{MOE_PENDING} (layer {layer_index} of {config.architecture} is a MoE "
                      f"layer: first_k_dense_replace={config.hf_config.get('first_k_dense_replace')}"
