@@ -78,3 +78,16 @@ def test_decode_kernel_deepseek_v3_dims_on_gpu(block_size):
     out = mla_decode(q, cache, table, lens, scale, 512, max(seq_lens))
     expected = reference_decode(q, cache, table, lens, scale, 512)
     torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_deepseek_on_triton_mla_cuda_tracks_transformers(tmp_path):
+    """bf16 on the GPU: rounding may flip a late near-tie; the first tokens must agree."""
+    arch, overrides = CONFIGS["v2-yarn"]
+    path = build_tiny_deepseek(tmp_path / "v2", arch, seed=2, **overrides)
+    prompts = mixed_prompts(6, lengths=(3, 20, 45))
+    llm = LLM(path, device="cuda", dtype="bfloat16", block_size=16,
+              attention_backend="TRITON_MLA")
+    ours = run(llm, prompts, max_tokens=4)
+    ref = hf_greedy(path, prompts, 4, dtype=torch.bfloat16)
+    assert [o[:2] for o in ours] == [r[:2] for r in ref]
