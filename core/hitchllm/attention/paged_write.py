@@ -50,7 +50,8 @@ def kernel_reasons(
     adds its own (device, head sizes, ...)."""
     reasons = []
     if spec.use_mla:
-        reasons.append("MLA models need an MLA backend (FLASHINFER_MLA or TRITON_MLA)")
+        reasons.append("MLA models need an MLA backend (TRITON_MLA or TORCH_MLA, from "
+                       "hitchllm-attention-mla)")
     if spec.dtype not in dtypes:
         names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
         reasons.append(f"dtype {spec.dtype} is not supported (use {names})")

@@ -270,7 +270,8 @@ class TorchAttentionBackend(AttentionBackend):
     def validate(cls, spec: AttentionSpec) -> list[str]:
         reasons = []
         if spec.use_mla:
-            reasons.append("MLA models need an MLA attention backend from a plugin")
+            reasons.append("MLA models need an MLA attention backend from a plugin (TORCH_MLA "
+                           "or TRITON_MLA: pip install -e plugins/attention_mla)")
         if spec.dtype not in _SUPPORTED_DTYPES:
             reasons.append(f"dtype {spec.dtype} is not supported (use float32/float16/bfloat16)")
         if spec.kv_cache_dtype != spec.dtype and spec.kv_cache_dtype not in FP8_DTYPES:

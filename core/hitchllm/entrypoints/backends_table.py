@@ -28,15 +28,17 @@ def _spec(
     else:
         dtype = parse_dtype(dtype_name)
     shape = dict(_DEFAULT_SHAPE)
-    window = None
+    window, use_mla = None, False
     if model is not None:
         mc = ModelConfig.from_pretrained(model)
-        shape = {"head_size": mc.head_dim, "num_heads": mc.num_attention_heads,
-                 "num_kv_heads": mc.num_key_value_heads}
-        window = mc.sliding_window
+        # As the engine builds it: an MLA model caches one latent vector per token.
+        shape = {"head_size": mc.mla_latent_width or mc.head_dim,
+                 "num_heads": mc.num_attention_heads,
+                 "num_kv_heads": 1 if mc.use_mla else mc.num_key_value_heads}
+        window, use_mla = mc.sliding_window, mc.use_mla
     return AttentionSpec.for_device(
         device, dtype=dtype, kv_cache_dtype=parse_kv_cache_dtype(kv_cache_dtype, dtype),
-        block_size=block_size,
+        block_size=block_size, use_mla=use_mla,
         sliding_window=window, **shape,
     )
 
@@ -65,8 +67,9 @@ def print_backends(
           + f", dtype {str(spec.dtype).removeprefix('torch.')}"
           + (f", KV cache {str(spec.kv_cache_dtype).removeprefix('torch.')}"
              if spec.kv_cache_dtype != spec.dtype else "")
-          + f", head size {spec.head_size}, "
-          f"heads {spec.num_heads}/{spec.num_kv_heads}, block size {spec.block_size}")
+          + f", head size {spec.head_size}"
+          + (" (MLA latent)" if spec.use_mla else "")
+          + f", heads {spec.num_heads}/{spec.num_kv_heads}, block size {spec.block_size}")
     if spec.kv_cache_dtype in FP8_DTYPES:
         print(_fp8_scales_line(registry))
     rows = [("NAME", "PRIORITY", "FROM", "VALID")]

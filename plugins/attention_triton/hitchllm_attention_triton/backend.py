@@ -230,7 +230,8 @@ class TritonAttentionBackend(AttentionBackend):
         if importlib.util.find_spec("triton") is None:
             return ["triton is not installed (pip install triton)"]
         if spec.use_mla:
-            reasons.append("MLA models need an MLA backend (TRITON_MLA)")
+            reasons.append("MLA models need an MLA backend (TRITON_MLA, from "
+                           "hitchllm-attention-mla)")
         if spec.device_type == "cuda":
             if spec.device_capability is not None and spec.device_capability < (8, 0):
                 reasons.append(f"compute capability {spec.device_capability} is below 8.0")

@@ -1,0 +1,15 @@
+"""hitchllm-attention-mla: multi-head latent attention (DeepSeek's MLA) for hitchllm.
+
+- ``MLAAttention`` / ``MLAAttentionImpl`` (``layer``): the attention layer MLA models call,
+  which caches one latent vector per token and hands its impl the up-projection ``kv_b_proj``,
+  and the interface every MLA backend's impl implements.
+- ``TORCH_MLA`` (``torch_mla``): the reference MLA backend, plain PyTorch, runs anywhere.
+- ``TRITON_MLA`` (``triton_mla``): a Triton paged decode kernel (split-KV), TORCH_MLA's prefill.
+- ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM`` (``deepseek``): the models.
+"""
+
+from hitchllm_attention_mla.layer import MLAAttention, MLAAttentionImpl, MLADims
+from hitchllm_attention_mla.torch_mla import TorchMLABackend
+from hitchllm_attention_mla.triton_mla import TritonMLABackend
+
+__all__ = ["MLAAttention", "MLAAttentionImpl", "MLADims", "TorchMLABackend", "TritonMLABackend"]

@@ -1,0 +1,68 @@
+"""The Triton kernel of TRITON_MLA's decode (imported only when it runs: needs triton)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def mla_decode_partials(
+    q_ptr,  # [N, H, W]: absorbed no-rope part (L values), then the rope part (W - L)
+    cache_ptr,  # [blocks, block_size, W], contiguous
+    block_table_ptr,  # [N, cols] int32
+    seq_lens_ptr,  # [N]
+    acc_ptr,  # [N, H, S, L] float32: each split's unnormalized latent output
+    stats_ptr,  # [2, N, H, S] float32: each split's running maximum, then its sum
+    scale,
+    stride_qt, stride_qh, stride_bt, stride_at, stride_ah, stride_as,
+    stride_s0, stride_st, stride_sh,
+    num_heads, kv_lora_rank, width, block_size, tokens_per_split,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """One program: request ``program_id(0)``, ``BLOCK_H`` heads, one split of its context.
+    Every latent row it reads serves all its heads (the MLA cache has one vector per token)."""
+    req = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
+    head_ok = heads < num_heads
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_r = tl.arange(0, BLOCK_R)
+    l_ok = offs_l < kv_lora_rank
+    r_ok = offs_r < width - kv_lora_rank
+
+    q_rows = q_ptr + req * stride_qt + heads[:, None] * stride_qh
+    q_c = tl.load(q_rows + offs_l[None, :], mask=head_ok[:, None] & l_ok[None, :], other=0.0)
+    q_r = tl.load(q_rows + kv_lora_rank + offs_r[None, :], mask=head_ok[:, None] & r_ok[None, :],
+                  other=0.0)
+
+    seq_len = tl.load(seq_lens_ptr + req)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_L], dtype=tl.float32)
+    for first in range(start, end, BLOCK_N):
+        pos = first + tl.arange(0, BLOCK_N)
+        pos_ok = pos < end
+        block = tl.load(block_table_ptr + req * stride_bt + pos // block_size, mask=pos_ok,
+                        other=0).to(tl.int64)
+        rows = cache_ptr + (block * block_size + pos % block_size)[:, None] * width
+        c = tl.load(rows + offs_l[None, :], mask=pos_ok[:, None] & l_ok[None, :], other=0.0)
+        r = tl.load(rows + kv_lora_rank + offs_r[None, :], mask=pos_ok[:, None] & r_ok[None, :],
+                    other=0.0)
+        scores = tl.dot(q_c, tl.trans(c)) + tl.dot(q_r, tl.trans(r))
+        scores = tl.where(pos_ok[None, :], scores * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
+        m_i = m_new
+
+    out = acc_ptr + req * stride_at + heads[:, None] * stride_ah + split * stride_as
+    tl.store(out + offs_l[None, :], acc, mask=head_ok[:, None] & l_ok[None, :])
+    stats = stats_ptr + req * stride_st + heads * stride_sh + split
+    tl.store(stats, m_i, mask=head_ok)
+    tl.store(stats + stride_s0, l_i, mask=head_ok)
