@@ -7,7 +7,8 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from lora_reference import peft_greedy, peft_model, write_adapter
+from hitchllm_lora import manager_for
+from lora_reference import peft_greedy, peft_logprobs, peft_model, write_adapter
 from test_models_hf_parity import mixed_prompts
 
 from hitchllm import LLM, LoRARequest, SamplingParams
@@ -25,8 +26,8 @@ def adapters(tiny_models, tmp_path_factory):
     return base, paths
 
 
-def greedy(n: int = MAX_NEW, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, **kw)
+def greedy(length: int = MAX_NEW, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=length, min_tokens=length, **kw)
 
 
 def generate(llm: LLM, prompt: list[int], lora: LoRARequest | None, n: int = MAX_NEW, **kw):
@@ -62,3 +63,124 @@ def test_reloading_a_name_from_a_rewritten_directory_serves_the_new_weights(adap
     assert out.num_cached_tokens == 0  # the old load's blocks are not this load's
     assert generate(llm, prompt, lora).num_cached_tokens == 12  # its own blocks are
     assert llm.engine.kv_cache.usage == 0
+
+
+def test_abort_of_the_request_holding_the_only_slot_lets_another_adapter_run(adapters):
+    base, paths = adapters
+    llm = LLM(base, enable_lora=True, max_loras=1, max_lora_rank=4)
+    engine = llm.engine
+    prompts = mixed_prompts(5, lengths=(6, 7))
+    holder = engine.add_request({"prompt_token_ids": prompts[0]}, greedy(50),
+                                lora_request=LoRARequest("ad0", 1, paths["ad0"]))
+    other = engine.add_request({"prompt_token_ids": prompts[1]}, greedy(),
+                               lora_request=LoRARequest("ad1", 2, paths["ad1"]))
+    engine.step()
+    assert [r.request_id for r in engine.scheduler.waiting] == [other]  # gated
+    engine.abort_request(holder)
+    assert not manager_for(engine.config).gate.running  # the abort released the slot
+    tokens = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == other and out.finished:
+                tokens = out.outputs[0].token_ids
+    assert tokens == peft_greedy(peft_model(base, paths["ad1"]), prompts[1], MAX_NEW)
+    assert engine.kv_cache.usage == 0
+
+
+def test_parallel_sampling_children_all_run_with_the_adapter(adapters):
+    base, paths = adapters
+    llm = LLM(base, enable_lora=True, max_loras=1, max_lora_rank=4)
+    prompt = mixed_prompts(6, lengths=(9,))[0]
+    lora = LoRARequest("ad1", 2, paths["ad1"])
+    out = llm.generate({"prompt_token_ids": prompt}, greedy(MAX_NEW, n=3), lora_request=lora,
+                       use_tqdm=False)[0]
+    expected = peft_greedy(peft_model(base, paths["ad1"]), prompt, MAX_NEW)
+    assert [c.token_ids for c in out.outputs] == [expected] * 3
+    assert llm.engine.kv_cache.usage == 0
+
+
+def test_prompt_logprobs_use_the_adapter(adapters):
+    base, paths = adapters
+    llm = LLM(base, enable_lora=True, max_loras=2, max_lora_rank=4)
+    prompt = mixed_prompts(7, lengths=(8,))[0]
+    oracle = peft_model(base, paths["ad0"])
+    # Twice: the second run could otherwise take the first's prefix-cache blocks.
+    for _ in range(2):
+        out = generate(llm, prompt, LoRARequest("ad0", 1, paths["ad0"]), 1, prompt_logprobs=0)
+        expected = peft_logprobs(oracle, prompt[:1], prompt[1:])
+        for i, entry in enumerate(out.prompt_logprobs[1:]):
+            token = prompt[i + 1]
+            assert entry[token].logprob == pytest.approx(expected[i, token].item(), abs=2e-4)
+
+
+def test_ngram_speculation_verifies_drafts_with_the_adapter(adapters):
+    """Greedy output with ngram drafts equals the output without speculation, adapter by
+    adapter (the verification forward must apply each request's adapter to its drafts)."""
+    base, paths = adapters
+    motif = mixed_prompts(8, lengths=(5,))[0]
+    prompts = [motif * 4, (motif[::-1] * 4)[:17], motif * 3]
+    loras = [LoRARequest("ad0", 1, paths["ad0"]), None, LoRARequest("ad1", 2, paths["ad1"])]
+    n = 12
+
+    def run(**spec) -> tuple[list[list[int]], LLM]:
+        llm = LLM(base, enable_lora=True, max_loras=2, max_lora_rank=4, **spec)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(n),
+                            lora_request=loras, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], llm
+
+    plain, _ = run()
+    speculated, llm = run(speculative_method="ngram", num_speculative_tokens=3)
+    assert llm.engine.stats().spec_decode_num_accepted_tokens > 0  # drafts were accepted
+    assert speculated == plain
+    for prompt, lora, tokens in zip(prompts, loras, plain):
+        oracle = peft_model(base, None if lora is None else lora.lora_path)
+        assert tokens == peft_greedy(oracle, prompt, n)
+
+
+def test_an_adapter_gone_from_disk_before_it_runs_fails_only_its_requests(adapters, tmp_path):
+    """An accepted request whose adapter left host memory and whose directory was deleted
+    before it ran ends with an error; the others come out right; no block leaks."""
+    base, paths = adapters
+    gone = tmp_path / "gone"
+    shutil.copytree(paths["ad0"], gone)
+    llm = LLM(base, enable_lora=True, max_loras=2, max_cpu_loras=2, max_lora_rank=4)
+    engine = llm.engine
+    prompts = mixed_prompts(9, lengths=(5, 6, 7))
+    loras = [LoRARequest("gone", 1, str(gone)), LoRARequest("ad1", 2, paths["ad1"]), None]
+    ids = [engine.add_request({"prompt_token_ids": p}, greedy(), lora_request=lora)
+           for p, lora in zip(prompts, loras)]
+    engine.add_lora(LoRARequest("ad0", 3, paths["ad0"]))  # "gone" leaves host memory
+    shutil.rmtree(gone)
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out
+    assert outs[ids[0]].outputs[0].finish_reason == "error"
+    for rid, prompt, lora in zip(ids[1:], prompts[1:], loras[1:]):
+        oracle = peft_model(base, None if lora is None else lora.lora_path)
+        assert outs[rid].outputs[0].token_ids == peft_greedy(oracle, prompt, MAX_NEW)
+    assert engine.kv_cache.usage == 0
+    assert not manager_for(engine.config).gate.running
+
+
+def test_a_request_for_a_known_adapter_reads_no_files_when_added(adapters):
+    """Adding a request runs on the engine's thread: an adapter already known (checked
+    when it was loaded) is not read again from disk then, even when it has left host
+    memory; it is read once, when it is put into a device slot."""
+    base, paths = adapters
+    llm = LLM(base, enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=4)
+    engine = llm.engine
+    cache = manager_for(engine.config).cache
+    for i, name in enumerate(paths):
+        engine.add_lora(LoRARequest(name, i + 1, paths[name]))
+    assert cache.num_reads == 2  # ad0 was evicted by ad1
+    prompt = mixed_prompts(10, lengths=(6,))[0]
+    for lora in (LoRARequest("ad0", 1), LoRARequest("ad0", 1, paths["ad0"])):
+        engine.add_request({"prompt_token_ids": prompt}, greedy(), lora_request=lora)
+    assert cache.num_reads == 2
+    outs = llm.generate({"prompt_token_ids": prompt}, greedy(), use_tqdm=False,
+                        lora_request=LoRARequest("ad0", 1))
+    assert cache.num_reads == 3  # once, for the slot
+    assert outs[0].outputs[0].token_ids == peft_greedy(peft_model(base, paths["ad0"]), prompt,
+                                                       MAX_NEW)

@@ -108,10 +108,18 @@ class AdapterCache:
                                  next(self._load_ids))
 
     def add(self, request: LoRARequest) -> LoRARequest:
-        """Make the adapter known and read it into host memory (reading its directory unless
-        it is cached); returns the request bound to it. ``ValueError`` for a bad request or
-        directory; nothing changes then."""
+        """Make the adapter known: read and check its directory and keep it in host memory;
+        returns the request bound to it. An adapter already known is not read again (it was
+        checked when it became known; ``get`` reads it when a slot needs it and it has left
+        host memory), as requests are added on the engine's thread; it only becomes the most
+        recently used. ``ValueError`` for a bad request or directory; nothing changes
+        then."""
         resolved = self.resolve(request)
+        with self._lock:
+            if self._known.get(resolved.lora_name) is resolved:
+                if adapter_key(resolved) in self._loaded:
+                    self._loaded.move_to_end(adapter_key(resolved))
+                return resolved
         self.get(resolved)
         with self._lock:
             known = self._known.setdefault(resolved.lora_name, resolved)

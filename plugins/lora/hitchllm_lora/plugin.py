@@ -33,8 +33,8 @@ def hitchllm_lora_adapters(engine_config: EngineConfig) -> LoRAManager | None:
 
 @hookimpl
 def hitchllm_request_added(request: Request, engine_config: EngineConfig) -> None:
-    """Check the request's adapter and load it into host memory (a ``ValueError`` says what
-    is wrong); the request is bound to the adapter's ``LoRARequest``."""
+    """Check the request's adapter and, when it is new, load it into host memory (a
+    ``ValueError`` says what is wrong); the request is bound to the adapter's load."""
     if request.lora_request is not None:
         request.lora_request = manager_for(engine_config).add_adapter(request.lora_request)
 
