@@ -184,3 +184,78 @@ def test_a_request_for_a_known_adapter_reads_no_files_when_added(adapters):
     assert cache.num_reads == 3  # once, for the slot
     assert outs[0].outputs[0].token_ids == peft_greedy(peft_model(base, paths["ad0"]), prompt,
                                                        MAX_NEW)
+
+
+def test_chunked_prefills_of_interleaved_adapters_through_one_slot(adapters):
+    """Prompts longer than the step budget are prefilled over several steps while requests
+    of another adapter and of the base model wait or run beside them; one slot."""
+    base, paths = adapters
+    llm = LLM(base, enable_lora=True, max_loras=1, max_lora_rank=4,
+              max_num_batched_tokens=8, max_num_seqs=4)
+    names = ["ad0", None, "ad1", "ad0", None, "ad1"]
+    prompts = mixed_prompts(11, lengths=(19, 11, 23, 9, 17, 13))
+    loras = [None if n is None else LoRARequest(n, int(n[-1]) + 1, paths[n]) for n in names]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False,
+                        lora_request=loras)
+    oracles = {n: peft_model(base, paths.get(n)) for n in set(names)}
+    for name, prompt, out in zip(names, prompts, outs):
+        assert out.outputs[0].token_ids == peft_greedy(oracles[name], prompt, MAX_NEW), name
+    assert llm.engine.kv_cache.usage == 0
+
+
+def test_unloading_an_adapter_lets_its_running_and_waiting_requests_finish(adapters):
+    base, paths = adapters
+    llm = LLM(base, enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=4)
+    engine = llm.engine
+    prompts = mixed_prompts(12, lengths=(7, 9, 5))
+    names = ["ad0", "ad1", "ad0"]
+    ids = [engine.add_request({"prompt_token_ids": p}, greedy(),
+                              lora_request=LoRARequest(n, int(n[-1]) + 1, paths[n]))
+           for p, n in zip(prompts, names)]
+    engine.step()  # the ad0 requests run, the ad1 one waits for the slot
+    engine.remove_lora("ad0")
+    engine.remove_lora("ad1")
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out.outputs[0].token_ids
+    for rid, prompt, name in zip(ids, prompts, names):
+        assert outs[rid] == peft_greedy(peft_model(base, paths[name]), prompt, MAX_NEW), name
+    assert engine.list_loras() == []
+    assert engine.kv_cache.usage == 0
+    with pytest.raises(ValueError, match="not loaded"):
+        engine.add_request({"prompt_token_ids": prompts[0]}, greedy(),
+                           lora_request=LoRARequest("ad0", 1))
+
+
+def test_adapter_on_some_layers_only(adapters, tmp_path):
+    """PEFT's layers_to_transform: only the named decoder layers are adapted."""
+    base, _ = adapters
+    path = write_adapter(base, tmp_path / "layer1", 4, ["q_proj", "down_proj"], seed=5,
+                         layers_to_transform=[1])
+    llm = LLM(base, enable_lora=True, max_lora_rank=4)
+    prompt = mixed_prompts(13, lengths=(10,))[0]
+    tokens = tokens_of(llm, prompt, LoRARequest("layer1", 1, path))
+    assert tokens == peft_greedy(peft_model(base, path), prompt, MAX_NEW)
+    assert tokens != peft_greedy(peft_model(base, None), prompt, MAX_NEW)
+
+
+def test_overlapped_steps_swap_the_slot_between_adapters(adapters):
+    """With async scheduling (no min_tokens, so steps overlap) requests of different lengths
+    finish while the next step is in flight and the one slot passes to the next adapter."""
+    base, paths = adapters
+    llm = LLM(base, enable_lora=True, max_loras=1, max_lora_rank=4, async_scheduling=True)
+    names = ["ad0", "ad1", None, "ad0", "ad1"]
+    lengths = [3, 6, 4, 7, 2]
+    prompts = mixed_prompts(14, lengths=(5, 8, 6, 4, 9))
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    loras = [None if n is None else LoRARequest(n, int(n[-1]) + 1, paths[n]) for n in names]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                        lora_request=loras)
+    assert llm.engine._overlap
+    oracles = {n: peft_model(base, paths.get(n)) for n in set(names)}
+    for name, prompt, n, out in zip(names, prompts, lengths, outs):
+        assert out.outputs[0].token_ids == peft_greedy(oracles[name], prompt, n), name
+    assert manager_for(llm.engine.config).slots.num_activations >= 2
+    assert llm.engine.kv_cache.usage == 0
