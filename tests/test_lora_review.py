@@ -259,3 +259,27 @@ def test_overlapped_steps_swap_the_slot_between_adapters(adapters):
         assert out.outputs[0].token_ids == peft_greedy(oracles[name], prompt, n), name
     assert manager_for(llm.engine.config).slots.num_activations >= 2
     assert llm.engine.kv_cache.usage == 0
+
+
+def test_an_unload_racing_a_request_by_name_stays_unloaded(adapters):
+    """The server unloads an adapter while the engine thread accepts a request naming it
+    (the unload lands between the request's lookup and its binding): the request is
+    refused and the adapter stays unloaded, not loaded back by the request."""
+    base, paths = adapters
+    llm = LLM(base, enable_lora=True, max_lora_rank=4)
+    llm.engine.add_lora(LoRARequest("ad0", 1, paths["ad0"]))
+    cache = manager_for(llm.engine.config).cache
+    lookup = cache._bind
+
+    def unload_meanwhile(request: LoRARequest):
+        bound = lookup(request)
+        if cache.names():
+            cache.remove(request.lora_name)
+        return bound
+
+    cache._bind = unload_meanwhile
+    with pytest.raises(ValueError, match="'ad0' is not loaded"):
+        llm.engine.add_request({"prompt_token_ids": [5, 6, 7]}, greedy(),
+                               lora_request=LoRARequest("ad0", 1))
+    assert llm.engine.list_loras() == []
+    assert not llm.engine.has_unfinished_requests()

@@ -64,7 +64,7 @@ class AdapterCache:
     def __init__(self, capacity: int, read: Callable[[LoRARequest], LoRAAdapter]) -> None:
         self.capacity = capacity
         self._read = read
-        self._known: dict[str, LoRARequest] = {}
+        self._known: dict[str, LoadedLoRARequest] = {}
         self._loaded: OrderedDict[AdapterKey, LoRAAdapter] = OrderedDict()
         self._lock = threading.Lock()
         self._load_ids = itertools.count(1)
@@ -83,7 +83,12 @@ class AdapterCache:
 
     def resolve(self, request: LoRARequest) -> LoRARequest:
         """Check ``request``'s fields and bind it to the known adapter of its name (an empty
-        ``lora_path`` refers to it); ``ValueError`` when it cannot name one adapter."""
+        ``lora_path`` refers to it), or to a new load of its directory; ``ValueError`` when
+        it cannot name one adapter."""
+        return self._bind(request)[0]
+
+    def _bind(self, request: LoRARequest) -> tuple[LoadedLoRARequest, bool]:
+        """``resolve``, and whether the binding is to an adapter known when looked up."""
         if not isinstance(request, LoRARequest):
             raise ValueError(f"lora_request must be a hitchllm.LoRARequest, got "
                              f"{type(request).__name__}")
@@ -100,12 +105,12 @@ class AdapterCache:
                 raise ValueError(
                     f"LoRA adapter {request.lora_name!r} is loaded from {known.lora_path}, not "
                     f"{request.lora_path}; unload it first or give this adapter another name")
-            return known
+            return known, True
         if not request.lora_path:
             raise ValueError(f"LoRA adapter {request.lora_name!r} is not loaded and the request "
                              f"gives no lora_path; known adapters: {self.names() or 'none'}")
         return LoadedLoRARequest(request.lora_name, request.lora_int_id, request.lora_path,
-                                 next(self._load_ids))
+                                 next(self._load_ids)), False
 
     def add(self, request: LoRARequest) -> LoRARequest:
         """Make the adapter known: read and check its directory and keep it in host memory;
@@ -114,12 +119,16 @@ class AdapterCache:
         host memory), as requests are added on the engine's thread; it only becomes the most
         recently used. ``ValueError`` for a bad request or directory; nothing changes
         then."""
-        resolved = self.resolve(request)
-        with self._lock:
-            if self._known.get(resolved.lora_name) is resolved:
-                if adapter_key(resolved) in self._loaded:
-                    self._loaded.move_to_end(adapter_key(resolved))
-                return resolved
+        resolved, was_known = self._bind(request)
+        if was_known:
+            with self._lock:
+                if self._known.get(resolved.lora_name) is resolved:
+                    if adapter_key(resolved) in self._loaded:
+                        self._loaded.move_to_end(adapter_key(resolved))
+                    return resolved
+            # Unloaded since it was looked up: the unload stands (a request naming the
+            # adapter alone is refused now; one with its directory loads it anew).
+            return self.add(request)
         self.get(resolved)
         with self._lock:
             known = self._known.setdefault(resolved.lora_name, resolved)
