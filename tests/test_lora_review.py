@@ -11,7 +11,8 @@ from hitchllm_lora import manager_for
 from lora_reference import peft_greedy, peft_logprobs, peft_model, write_adapter
 from test_models_hf_parity import mixed_prompts
 
-from hitchllm import LLM, LoRARequest, SamplingParams
+from hitchllm import LLM, EngineConfig, LoRARequest, SamplingParams
+from hitchllm.engine.llm_engine import LLMEngine
 
 MAX_NEW = 5
 
@@ -283,3 +284,12 @@ def test_an_unload_racing_a_request_by_name_stays_unloaded(adapters):
                                lora_request=LoRARequest("ad0", 1))
     assert llm.engine.list_loras() == []
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_two_engines_built_from_one_config_keep_their_own_adapters(adapters):
+    base, paths = adapters
+    config = EngineConfig(model=base, enable_lora=True, max_lora_rank=4)
+    first, second = LLMEngine(config), LLMEngine(config)
+    first.add_lora(LoRARequest("ad0", 1, paths["ad0"]))
+    assert [a.lora_name for a in first.list_loras()] == ["ad0"]
+    assert second.list_loras() == []
