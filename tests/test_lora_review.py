@@ -114,9 +114,10 @@ def test_prompt_logprobs_use_the_adapter(adapters):
             assert entry[token].logprob == pytest.approx(expected[i, token].item(), abs=2e-4)
 
 
-def test_ngram_speculation_verifies_drafts_with_the_adapter(adapters):
-    """Greedy output with ngram drafts equals the output without speculation, adapter by
-    adapter (the verification forward must apply each request's adapter to its drafts)."""
+def test_speculation_verifies_drafts_with_the_adapter(adapters):
+    """Greedy output with ngram or draft-model drafts equals the output without
+    speculation, adapter by adapter (the verification forward must apply each request's
+    adapter to its drafts)."""
     base, paths = adapters
     motif = mixed_prompts(8, lengths=(5,))[0]
     prompts = [motif * 4, (motif[::-1] * 4)[:17], motif * 3]
@@ -133,6 +134,11 @@ def test_ngram_speculation_verifies_drafts_with_the_adapter(adapters):
     speculated, llm = run(speculative_method="ngram", num_speculative_tokens=3)
     assert llm.engine.stats().spec_decode_num_accepted_tokens > 0  # drafts were accepted
     assert speculated == plain
+    # A draft model (the base model itself: it drafts without the adapters).
+    drafted, llm = run(speculative_method="draft_model", speculative_model=base,
+                       num_speculative_tokens=2)
+    assert llm.engine.stats().spec_decode_num_draft_tokens > 0
+    assert drafted == plain
     for prompt, lora, tokens in zip(prompts, loras, plain):
         oracle = peft_model(base, None if lora is None else lora.lora_path)
         assert tokens == peft_greedy(oracle, prompt, n)
