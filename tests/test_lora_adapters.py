@@ -174,8 +174,8 @@ def test_host_cache_evicts_the_least_recently_used_adapter():
 
     cache = AdapterCache(capacity=2, read=read)
     a, b, c = (LoRARequest(n, i + 1, f"/adapters/{n}") for i, n in enumerate("abc"))
-    for request in (a, b, a, c):  # a used again after b: b is the least recently used
-        cache.add(request)
+    # a used again after b: b is the least recently used
+    a, b, a, c = (cache.add(request) for request in (a, b, a, c))  # bound to their loads
     assert cache.is_loaded(a) and cache.is_loaded(c) and not cache.is_loaded(b)
     assert cache.names() == ["a", "b", "c"]  # evicted from memory, still known by name
     cache.get(b)  # read again from its directory; now a is the least recently used

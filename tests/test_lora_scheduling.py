@@ -183,7 +183,7 @@ def test_a_slot_is_never_taken_from_a_running_request_not_scheduled_this_step():
     assert slots.token_slot[:6].tolist() == [0, 0, 0, 1, 1, -1]
     slots.prepare([y], [1], running=[x, y])  # x runs but is not scheduled: least recent
     slots.prepare([z, base], [1, 1], running=[x, z, base])  # y finished: its slot goes
-    assert slots.keys[0] == ("x", "/adapters/x") and slots.keys[1] == ("z", "/adapters/z")
+    assert slots.keys[0] == ("x", "/adapters/x", 0) and slots.keys[1] == ("z", "/adapters/z", 0)
     assert slots.token_slot.tolist() == [1, -1] + [-1] * 14  # the longer last step: cleared
     assert slots.scaling.tolist() == [float(ord("x")), float(ord("z"))]
     assert cache.reads == ["x", "y", "z"]

@@ -269,8 +269,9 @@ def hitchllm_block_hash_extra_keys(request: Request) -> tuple[Any, ...] | None:
 
     Called when a request's block hashes are computed for prefix caching. Two requests share
     cached blocks only if every plugin returns equal keys for both. (The core already keys
-    every block by ``request.lora_name``; the LoRA plugin adds the adapter's directory, so a
-    name bound to another directory later never reuses the old blocks.) Return
+    every block by ``request.lora_name``; the LoRA plugin adds the adapter's directory and
+    which load of it the request runs with, so a name unloaded and loaded again never reuses
+    the old blocks.) Return
     ``None`` when the plugin has nothing to add. Values must be str, int or None so hashes stay
     deterministic across processes.
     """

@@ -100,7 +100,10 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         init_logging()
-        self.config = config
+        # The engine's own copy: hooks are handed ``engine_config`` as the engine's identity
+        # (the LoRA plugin finds its adapters by it), so engines built from one (frozen,
+        # shareable) config must not share it.
+        self.config = config = config.model_copy()
         self.registry = get_plugin_registry()
         self.device = config.resolve_device()
         self.model_config = ModelConfig.from_pretrained(config.model)

@@ -62,7 +62,8 @@ class LoRAManager:
     def add_adapter(self, lora_request: LoRARequest) -> LoRARequest:
         """Load an adapter (read and check its directory, keep it in host memory) so requests
         may name it; returns the ``LoRARequest`` requests are bound to (an empty
-        ``lora_path`` refers to the adapter already known under ``lora_name``).
+        ``lora_path`` refers to the adapter already known under ``lora_name``, which is not
+        read again).
         ``ValueError`` says what is wrong with the request or the directory. Thread-safe."""
         return self.cache.add(lora_request)
 

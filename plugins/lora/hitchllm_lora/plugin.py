@@ -14,6 +14,7 @@ from hitchllm.config import EngineConfig
 from hitchllm.engine.input_batch import RequestState
 from hitchllm.request import Request
 from hitchllm.scheduler.admission import AdmissionGate
+from hitchllm_lora.cache import adapter_key
 from hitchllm_lora.manager import LoRAManager, manager_for, manager_of_model
 
 
@@ -32,8 +33,8 @@ def hitchllm_lora_adapters(engine_config: EngineConfig) -> LoRAManager | None:
 
 @hookimpl
 def hitchllm_request_added(request: Request, engine_config: EngineConfig) -> None:
-    """Check the request's adapter and load it into host memory (a ``ValueError`` says what
-    is wrong); the request is bound to the adapter's ``LoRARequest``."""
+    """Check the request's adapter and, when it is new, load it into host memory (a
+    ``ValueError`` says what is wrong); the request is bound to the adapter's load."""
     if request.lora_request is not None:
         request.lora_request = manager_for(engine_config).add_adapter(request.lora_request)
 
@@ -57,7 +58,8 @@ def hitchllm_before_forward(
 
 @hookimpl
 def hitchllm_block_hash_extra_keys(request: Request) -> tuple[Any, ...] | None:
-    """The adapter's directory (the core already keys blocks by adapter name), so a name
-    unloaded and loaded again from another directory never reuses the old blocks."""
-    lora = request.lora_request
-    return None if lora is None else (lora.lora_path,)
+    """The adapter's directory and load (the core already keys blocks by adapter name), so
+    a name unloaded and loaded again, from another directory or the same one rewritten,
+    never reuses the old blocks."""
+    key = adapter_key(request.lora_request)
+    return None if key is None else key[1:]

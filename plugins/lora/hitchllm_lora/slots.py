@@ -102,7 +102,7 @@ class AdapterSlots:
                     pool.a[slot, :rank].copy_(weights.a, non_blocking=copy_async)
                     pool.b[slot, :, :rank].copy_(weights.b, non_blocking=copy_async)
         self.scaling[slot] = adapter.scaling
-        self.keys[slot] = (request.lora_name, request.lora_path)
+        self.keys[slot] = adapter_key(request)
         self.num_activations += 1
         logger.debug("LoRA adapter %r now in device slot %d (replacing %r)",
                      request.lora_name, slot, replaced and replaced[0])
