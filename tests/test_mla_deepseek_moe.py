@@ -3,16 +3,22 @@ loaded checkpoint (router choice and weights, routed plus shared experts) equals
 block on the same hidden states, for V2 greedy and group-limited routing, V2-Lite and V3's
 biased sigmoid routing; the V3 checkpoint's correction bias changes transformers' own tokens
 (so the greedy parity tests in test_mla_deepseek_parity.py see a router that drops it); bad
-routing configs are named. Greedy-token parity lives in test_mla_deepseek_parity.py."""
+routing configs are named; V3's multi-token-prediction layers are skipped. Greedy-token
+parity lives in test_mla_deepseek_parity.py."""
 
 from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from mla_checkpoints import MOE_CONFIGS, build_tiny_deepseek
 from reference import hf_greedy, hf_model
+from safetensors.torch import load_file, save_file
 from test_mla_deepseek_parity import PROMPTS
-from test_models_hf_parity import MAX_NEW
+from test_models_hf_parity import MAX_NEW, run
 
 pytest.importorskip("hitchllm_attention_mla")
 
@@ -85,3 +91,24 @@ def test_bad_routing_config_is_named(checkpoints, name, overrides, message):
     config.hf_config.update(overrides)
     with torch.device("meta"), pytest.raises(ValueError, match=message):
         DeepseekMoE(config, None, "model.layers.1.mlp")
+
+
+def test_v3_multi_token_prediction_layers_are_skipped(checkpoints, tmp_path):
+    """A V3 checkpoint stores its num_nextn_predict_layers MTP layers after the decoder's
+    (``model.layers.{num_hidden_layers}``); loading skips them, as transformers does, and
+    names them when the config does not declare them."""
+    source = Path(checkpoints["v3-moe"])
+    path = tmp_path / "v3-mtp"
+    shutil.copytree(source, path)
+    tensors = load_file(path / "model.safetensors")
+    tensors.update({name.replace("model.layers.2.", "model.layers.3."): tensor.clone()
+                    for name, tensor in tensors.items() if name.startswith("model.layers.2.")})
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    assert config["num_hidden_layers"] == 3 and config["num_nextn_predict_layers"] == 1
+    prompts = PROMPTS[2:4]
+    engine = dict(block_size=4, num_kv_blocks=32, attention_backend="TORCH_MLA")
+    assert run(LLM(str(path), **engine), prompts) == hf_greedy(str(source), prompts, MAX_NEW)
+    (path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+    with pytest.raises(ValueError, match=r"unexpected \d+ tensors: model\.layers\.3\."):
+        LLM(str(path), **engine)

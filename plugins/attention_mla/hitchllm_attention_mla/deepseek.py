@@ -182,11 +182,20 @@ class DeepseekForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Route checkpoint tensors to parameters; error on anything missing or unexpected."""
+        """Route checkpoint tensors to parameters; error on anything missing or unexpected.
+        V3's multi-token-prediction layers (``model.layers.{num_hidden_layers + i}``, ``i <
+        num_nextn_predict_layers``) are skipped, as transformers skips them."""
         tied = self.config.tie_word_embeddings
+        layers = self.config.num_hidden_layers
+        mtp = tuple(f"model.layers.{layers + i}." for i in
+                    range(self.config.hf_config.get("num_nextn_predict_layers") or 0))
+
+        def skip(name: str) -> bool:
+            return ("rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight")
+                    or name.startswith(mtp))
+
         load_named_weights(
-            self, weights, self.STACKED,
-            skip=lambda name: "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"),
+            self, weights, self.STACKED, skip=skip,
             description=f"{type(self).__name__} ({self.config.architecture})",
             route=self.ROUTE,
         )
