@@ -1,6 +1,6 @@
 """TORCH_MLA against a float64 reference of multi-head latent attention (prefill, a chunk over
 a cached prefix, decodes in one step: the expanded and the absorbed forms), DeepSeek's rope
-and softmax scale against transformers', and the pending-MoE refusal."""
+and softmax scale against transformers'."""
 
 from __future__ import annotations
 
