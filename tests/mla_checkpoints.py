@@ -27,10 +27,36 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+#: Mixture-of-experts configs: one dense layer then two MoE layers of 8 routed experts and
+#: shared ones. V2 routes greedily (with ``norm_topk_prob`` set, which V2 ignores) or
+#: group-limited; V2-Lite has no q_lora_rank; V3 routes with sigmoid scores, grouped top-k and a
+#: non-zero ``e_score_correction_bias`` (``correction_bias_std``) that changes the choice.
+_MOE: dict[str, Any] = dict(num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8,
+                            moe_intermediate_size=24)
+MOE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "v2-moe-greedy": ("DeepseekV2ForCausalLM", {
+        **_MOE, "q_lora_rank": 24, "topk_method": "greedy", "num_experts_per_tok": 3,
+        "n_shared_experts": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.5}),
+    "v2-moe-grouped": ("DeepseekV2ForCausalLM", {
+        **_MOE, "q_lora_rank": 24, "topk_method": "group_limited_greedy", "n_group": 4,
+        "topk_group": 2, "num_experts_per_tok": 3, "n_shared_experts": 1,
+        "routed_scaling_factor": 2.0}),
+    "v2-lite-moe": ("DeepseekV2ForCausalLM", {
+        **_MOE, "q_lora_rank": None, "topk_method": "greedy", "num_experts_per_tok": 2,
+        "n_shared_experts": 2}),
+    "v3-moe": ("DeepseekV3ForCausalLM", {
+        **_MOE, "q_lora_rank": 24, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 2,
+        "n_shared_experts": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+        "correction_bias_std": 0.05}),
+}
+
+
 def build_tiny_deepseek(path: str | Path, architecture: str, seed: int = 0,
-                        **overrides: Any) -> str:
+                        correction_bias_std: float = 0.0, **overrides: Any) -> str:
     """Write a tiny random DeepSeek checkpoint whose every layer is dense
-    (``first_k_dense_replace == num_hidden_layers``) unless ``overrides`` say otherwise."""
+    (``first_k_dense_replace == num_hidden_layers``) unless ``overrides`` say otherwise.
+    ``correction_bias_std`` gives V3's MoE routers a random ``e_score_correction_bias``
+    (transformers initializes it to zero)."""
     import transformers
 
     path = Path(path)
@@ -49,6 +75,10 @@ def build_tiny_deepseek(path: str | Path, architecture: str, seed: int = 0,
     fields.update(overrides)
     config = getattr(transformers, architecture.replace("ForCausalLM", "Config"))(**fields)
     torch.manual_seed(seed)
-    getattr(transformers, architecture)(config).save_pretrained(path)
+    model = getattr(transformers, architecture)(config)
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buffer.copy_(torch.randn_like(buffer) * correction_bias_std)
+    model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)

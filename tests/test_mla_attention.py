@@ -1,23 +1,20 @@
 """TORCH_MLA against a float64 reference of multi-head latent attention (prefill, a chunk over
 a cached prefix, decodes in one step: the expanded and the absorbed forms), DeepSeek's rope
-and softmax scale against transformers', and the pending-MoE refusal."""
+and softmax scale against transformers'."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import transformers
-from mla_checkpoints import build_tiny_deepseek
 from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf_v2
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
 
 pytest.importorskip("hitchllm_attention_mla")
 
-from hitchllm import LLM
 from hitchllm.attention import AttentionSpec, CommonAttentionMetadata, set_forward_context
 from hitchllm.layers import ColumnParallelLinear, UnquantizedLinearMethod
 from hitchllm_attention_mla import MLAAttention, MLADims, TorchMLABackend
-from hitchllm_attention_mla.deepseek import MOE_PENDING
 from hitchllm_attention_mla.rope import DeepseekRotaryEmbedding, softmax_scale
 
 DIMS = MLADims(num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
@@ -136,13 +133,6 @@ def test_rope_and_softmax_scale_match_transformers(arch, fields):
     torch.testing.assert_close(torch.einsum("thd,sd->hts", q_ours, k_ours),
                                q_hf[0] @ k_hf[0, 0].T, rtol=1e-5, atol=1e-5)
     assert softmax_scale(24, scaling) == pytest.approx(hf_scale, rel=1e-12)
-
-
-def test_moe_layers_are_refused_until_the_moe_layer_lands(tmp_path):
-    path = build_tiny_deepseek(tmp_path / "moe", "DeepseekV3ForCausalLM",
-                               first_k_dense_replace=1)
-    with pytest.raises(ValueError, match=f"{MOE_PENDING}.*layer 1 "):
-        LLM(path, attention_backend="TORCH_MLA")
 
 
 class _ScaledLinearMethod(UnquantizedLinearMethod):

@@ -1,12 +1,13 @@
 """Greedy tokens of the DeepSeek models on TORCH_MLA equal transformers' (fp32, CPU), for
-V2-Lite (no q_lora_rank), V2 with q_lora_rank and YaRN, and V3 with YaRN: in mixed
+V2-Lite (no q_lora_rank), V2 with q_lora_rank and YaRN, V3 with YaRN, and mixture-of-experts
+checkpoints (V2 greedy and group-limited routing, V2-Lite, V3 with a correction bias): in mixed
 prefill/decode batches, under chunked prefill over a cached prefix, and under preemption."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from mla_checkpoints import CONFIGS, build_tiny_deepseek
+from mla_checkpoints import CONFIGS, MOE_CONFIGS, build_tiny_deepseek
 from reference import hf_greedy
 from test_models_hf_parity import MAX_NEW, greedy, mixed_prompts, run
 
@@ -16,11 +17,12 @@ from hitchllm import LLM
 
 SYSTEM = mixed_prompts(11, lengths=(22,))[0]
 PROMPTS = [[*SYSTEM, 7, 8, 9], [*SYSTEM, 10, 11], *mixed_prompts(5, lengths=(1, 6, 13, 40))]
+ALL_CONFIGS = {**CONFIGS, **MOE_CONFIGS}
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
+@pytest.fixture(scope="module", params=sorted(ALL_CONFIGS))
 def reference(request, tmp_path_factory):
-    arch, overrides = CONFIGS[request.param]
+    arch, overrides = ALL_CONFIGS[request.param]
     path = build_tiny_deepseek(tmp_path_factory.mktemp(request.param), arch, seed=1,
                                **overrides)
     return path, hf_greedy(path, PROMPTS, MAX_NEW)

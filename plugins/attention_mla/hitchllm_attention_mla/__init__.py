@@ -5,7 +5,8 @@
   and the interface every MLA backend's impl implements.
 - ``TORCH_MLA`` (``torch_mla``): the reference MLA backend, plain PyTorch, runs anywhere.
 - ``TRITON_MLA`` (``triton_mla``): a Triton paged decode kernel (split-KV), TORCH_MLA's prefill.
-- ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM`` (``deepseek``): the models.
+- ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM`` (``deepseek``): the models; their
+  mixture-of-experts layers (routers, routed and shared experts) are in ``deepseek_moe``.
 """
 
 from hitchllm_attention_mla.layer import MLAAttention, MLAAttentionImpl, MLADims

@@ -7,7 +7,8 @@ rotates only the rotary parts (``rope.py``); ``MLAAttention`` caches the latent 
 ``o_proj`` maps the heads' values back.
 
 Feed-forward: layers below ``first_k_dense_replace`` (every layer, for a dense config) use a
-gated SiLU MLP; the others are mixture-of-experts layers, built by ``moe_block`` (see there).
+gated SiLU MLP; the others are mixture-of-experts layers (``deepseek_moe``): routed experts
+in hitchllm's ``FusedMoE`` plus shared experts.
 """
 
 from __future__ import annotations
@@ -22,45 +23,25 @@ from hitchllm import distributed
 from hitchllm.config import ModelConfig
 from hitchllm.layers import (
     ColumnParallelLinear,
-    MergedColumnParallelLinear,
     ParallelLMHead,
     QuantizationMethod,
     ReplicatedLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    expert_route,
     load_named_weights,
 )
-from hitchllm.layers.loading import Stacking
-from hitchllm.models import fused
+from hitchllm.layers.loading import Route, Stacking
 from hitchllm.models.norm import RMSNorm
+from hitchllm_attention_mla.deepseek_moe import DeepseekMLP, DeepseekMoE
 from hitchllm_attention_mla.layer import MLAAttention, MLADims
 from hitchllm_attention_mla.rope import DeepseekRotaryEmbedding, softmax_scale
-
-MOE_PENDING = "MoE layers of DeepSeek need hitchllm's MoE layer: not available yet"
 
 
 def is_moe_layer(hf: dict[str, Any], layer_index: int) -> bool:
     """Whether layer ``layer_index`` of config ``hf`` is a mixture-of-experts layer: from
     ``first_k_dense_replace`` on, as transformers builds them."""
     return layer_index >= (hf.get("first_k_dense_replace") or 0)
-
-
-class DeepseekMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))``: the dense layers' feed-forward."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str,
-                 quant_config: QuantizationMethod | None, prefix: str) -> None:
-        super().__init__()
-        if hidden_act != "silu":
-            raise ValueError(f"hidden_act {hidden_act!r} is not supported (only silu)")
-        self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size] * 2, quant_config=quant_config,
-            prefix=f"{prefix}.gate_up_proj")
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size,
-                                           quant_config=quant_config, prefix=f"{prefix}.down_proj")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DeepseekAttention(nn.Module):
@@ -114,24 +95,12 @@ class DeepseekAttention(nn.Module):
 
 def moe_block(config: ModelConfig, layer_index: int, quant_config: QuantizationMethod | None,
               prefix: str) -> nn.Module:
-    """The feed-forward of mixture-of-experts layer ``layer_index``.
-
-    MoE INTEGRATION POINT: build hitchllm's MoE layer here (routed experts with V2's
-    greedy / group-limited softmax top-k or V3's sigmoid grouped top-k with
-    ``e_score_correction_bias`` and ``norm_topk_prob``, ``routed_scaling_factor``, plus
-    ``n_shared_experts`` shared experts as a ``DeepseekMLP`` of ``moe_intermediate_size *
-    n_shared_experts``), taking ``[tokens, hidden]`` to ``[tokens, hidden]``. Checkpoint names
-    under ``{prefix}`` (transformers writes them so too): ``gate.weight``,
-    ``gate.e_score_correction_bias`` (V3), ``experts.{e}.{gate,up,down}_proj.weight``,
-    ``shared_experts.{gate,up,down}_proj.weight``. ``DeepseekForCausalLM.STACKED`` rewrites
-    every ``.gate_proj.`` / ``.up_proj.`` to slots of ``.gate_up_proj.`` (right for the shared
-    experts); the experts' parameters must accept that or ``load_weights`` must route
-    ``mlp.experts.`` names first (its ``rename``). Then drop ``MOE_PENDING`` and the test
-    that expects it (``test_moe_layers_are_refused_until_the_moe_layer_lands``).
-    """
-    raise ValueError(f"{MOE_PENDING} (layer {layer_index} of {config.architecture} is a MoE "
-                     f"layer: first_k_dense_replace={config.hf_config.get('first_k_dense_replace')}"
-                     f", n_routed_experts={config.hf_config.get('n_routed_experts')})")
+    """The feed-forward of mixture-of-experts layer ``layer_index``: routed experts (V2's
+    greedy / group-limited softmax top-k or V3's biased sigmoid grouped top-k) plus shared
+    experts; see ``deepseek_moe``. Checkpoint names under ``{prefix}``: ``gate.weight``,
+    ``gate.e_score_correction_bias`` (V3), ``experts.{e}.{gate,up,down}_proj.weight``
+    (``DeepseekForCausalLM.ROUTE``), ``shared_experts.{gate,up,down}_proj.weight``."""
+    return DeepseekMoE(config, quant_config, prefix)
 
 
 class DeepseekDecoderLayer(nn.Module):
@@ -187,6 +156,9 @@ class DeepseekForCausalLM(nn.Module):
     """DeepSeek-V2 / V3 over a packed batch: ``forward(input_ids [T], positions [T])``."""
 
     STACKED: ClassVar[Stacking] = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    # Routed experts' gate/up/down tensors go to their slots of the stacked expert weights
+    # before STACKED (which would send them to a gate_up_proj) sees them.
+    ROUTE: ClassVar[Route] = staticmethod(expert_route())
 
     def __init__(self, config: ModelConfig, quant_config: QuantizationMethod | None = None
                  ) -> None:
@@ -210,12 +182,22 @@ class DeepseekForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Route checkpoint tensors to parameters; error on anything missing or unexpected."""
+        """Route checkpoint tensors to parameters; error on anything missing or unexpected.
+        V3's multi-token-prediction layers (``model.layers.{num_hidden_layers + i}``, ``i <
+        num_nextn_predict_layers``) are skipped, as transformers skips them."""
         tied = self.config.tie_word_embeddings
+        layers = self.config.num_hidden_layers
+        mtp = tuple(f"model.layers.{layers + i}." for i in
+                    range(self.config.hf_config.get("num_nextn_predict_layers") or 0))
+
+        def skip(name: str) -> bool:
+            return ("rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight")
+                    or name.startswith(mtp))
+
         load_named_weights(
-            self, weights, self.STACKED,
-            skip=lambda name: "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"),
+            self, weights, self.STACKED, skip=skip,
             description=f"{type(self).__name__} ({self.config.architecture})",
+            route=self.ROUTE,
         )
 
 
@@ -224,4 +206,5 @@ class DeepseekV2ForCausalLM(DeepseekForCausalLM):
 
 
 class DeepseekV3ForCausalLM(DeepseekForCausalLM):
-    """DeepSeek-V3: as V2, with ``rope_interleave`` (and sigmoid routing in its MoE layers)."""
+    """DeepSeek-V3: as V2, with ``rope_interleave`` and sigmoid ``noaux_tc`` routing (with
+    ``e_score_correction_bias``) in its MoE layers."""
