@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from graph_timing import graph_time_us
 from results_md import append_results, entry_heading
 
 SECTION = "## Grouped LoRA kernels vs a per-adapter loop (issue 17)"
@@ -81,26 +82,7 @@ def time_us(fn: Callable[[], object], device: torch.device, repeats: int) -> flo
             fn()
             times.append((time.perf_counter() - start) * 1e6)
         return sorted(times)[len(times) // 2]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):  # compile Triton kernels, warm cuBLAS and the allocator
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS_PER_GRAPH):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / CALLS_PER_GRAPH)
-    return sorted(times)[len(times) // 2]
+    return graph_time_us(fn, repeats, CALLS_PER_GRAPH)
 
 
 def measure(name: str, hidden: int, widths: tuple[int, ...], tokens: int, work: Workload,

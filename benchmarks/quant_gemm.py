@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from graph_timing import graph_time_us
 from hitchllm_quantization.fp8_gemm import (
     check_fp8_device,
     quantize_activations,
@@ -40,26 +41,7 @@ CALLS_PER_GRAPH = 20
 
 def time_us(fn: Callable[[], torch.Tensor], repeats: int = 10) -> float:
     """Median CUDA-event time of one call, over graph replays of ``CALLS_PER_GRAPH`` calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):  # warm up (cuBLAS heuristics, allocator) outside the capture
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS_PER_GRAPH):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / CALLS_PER_GRAPH)
-    return sorted(times)[len(times) // 2]
+    return graph_time_us(fn, repeats, CALLS_PER_GRAPH)
 
 
 def measure(k: int, n: int, m: int) -> dict:

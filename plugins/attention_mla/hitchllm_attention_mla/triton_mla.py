@@ -14,23 +14,19 @@ The cache layout is TORCH_MLA's: ``[num_blocks + 1, block_size, kv_lora_rank + r
 from __future__ import annotations
 
 import importlib.util
-import os
 from typing import ClassVar
 
 import torch
 
 from hitchllm.attention import AttentionImpl, AttentionSpec
 from hitchllm.attention.torch_backend import BatchedRequests
+from hitchllm.attention.triton_support import triton_device_reasons
 from hitchllm_attention_mla.torch_mla import TorchMLABackend, TorchMLAImpl, mla_reasons
 
 #: Tokens one program reads per iteration, and the fewest programs a step should launch
 #: before long contexts are split further.
 BLOCK_N = 16
 TARGET_PROGRAMS = 128
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _next_pow2(n: int) -> int:
@@ -99,24 +95,10 @@ class TritonMLABackend(TorchMLABackend):
 
     @classmethod
     def validate(cls, spec: AttentionSpec) -> list[str]:
+        device_reasons = triton_device_reasons(spec)
         if importlib.util.find_spec("triton") is None:
-            return ["triton is not installed (pip install triton)"]
-        reasons = mla_reasons(spec)
-        if spec.device_type == "cuda":
-            if spec.device_capability is not None and spec.device_capability < (8, 0):
-                reasons.append(f"compute capability {spec.device_capability} is below 8.0")
-            if spec.dtype not in (torch.float16, torch.bfloat16):
-                reasons.append(f"dtype {spec.dtype} is not supported on CUDA (use bfloat16 "
-                               "or float16)")
-        elif spec.device_type == "cpu":
-            if not _interpreting():
-                reasons.append("no CUDA device (on CPU the kernel only runs in Triton's "
-                               "interpreter, for testing: set TRITON_INTERPRET=1)")
-            if spec.dtype not in (torch.float32, torch.float16):
-                reasons.append(f"dtype {spec.dtype} is not supported by Triton's CPU "
-                               "interpreter (use float32 or float16)")
-        else:
-            reasons.append(f"device type {spec.device_type!r} is not supported (CUDA only)")
+            return device_reasons
+        reasons = mla_reasons(spec) + device_reasons
         if spec.kv_cache_dtype != spec.dtype:
             reasons.append(f"KV-cache dtype {spec.kv_cache_dtype} is not supported: TRITON_MLA "
                            "reads the latent in the model dtype (use kv_cache_dtype=auto)")

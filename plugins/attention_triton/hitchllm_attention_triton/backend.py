@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -19,6 +18,7 @@ from hitchllm.attention import (
     CommonAttentionMetadata,
     CudaGraphSupport,
 )
+from hitchllm.attention.triton_support import triton_device_reasons
 from hitchllm_attention_triton.config import KernelConfig, choose_kernel_config
 
 MAX_HEAD_SIZE = 256
@@ -28,10 +28,6 @@ FP8_FORMATS = {
     torch.float8_e4m3fn: (448.0, 3, -6),
     torch.float8_e5m2: (57344.0, 2, -14),
 }
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @dataclass
@@ -226,27 +222,12 @@ class TritonAttentionBackend(AttentionBackend):
 
     @classmethod
     def validate(cls, spec: AttentionSpec) -> list[str]:
-        reasons = []
-        if importlib.util.find_spec("triton") is None:
-            return ["triton is not installed (pip install triton)"]
+        reasons = triton_device_reasons(spec)
+        if reasons and importlib.util.find_spec("triton") is None:
+            return reasons
         if spec.use_mla:
             reasons.append("MLA models need an MLA backend (TRITON_MLA, from "
                            "hitchllm-attention-mla)")
-        if spec.device_type == "cuda":
-            if spec.device_capability is not None and spec.device_capability < (8, 0):
-                reasons.append(f"compute capability {spec.device_capability} is below 8.0")
-            if spec.dtype not in (torch.float16, torch.bfloat16):
-                reasons.append(f"dtype {spec.dtype} is not supported on CUDA (use bfloat16 "
-                               "or float16)")
-        elif spec.device_type == "cpu":
-            if not _interpreting():
-                reasons.append("no CUDA device (on CPU the kernels only run in Triton's "
-                               "interpreter, for testing: set TRITON_INTERPRET=1)")
-            if spec.dtype not in (torch.float32, torch.float16):
-                reasons.append(f"dtype {spec.dtype} is not supported by Triton's CPU "
-                               "interpreter (use float32 or float16)")
-        else:
-            reasons.append(f"device type {spec.device_type!r} is not supported (CUDA only)")
         if spec.kv_cache_dtype in FP8_DTYPES:
             capability = spec.device_capability
             if spec.device_type == "cuda" and capability is not None and capability < (8, 9):

@@ -1,0 +1,41 @@
+"""Where Triton kernels can run: shared by the backends written in Triton (TRITON_ATTN,
+TRITON_MLA, third-party ones), so that they refuse the same specs with the same reasons."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from hitchllm.attention.backend import AttentionSpec
+
+
+def triton_interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_device_reasons(spec: AttentionSpec) -> list[str]:
+    """Why Triton kernels cannot run for ``spec``'s device and dtype (empty: they can): not
+    installed; on CUDA, compute capability below 8.0 or a dtype other than bfloat16/float16;
+    on a CPU, only in the interpreter and only in float32/float16; no other device."""
+    if importlib.util.find_spec("triton") is None:
+        return ["triton is not installed (pip install triton)"]
+    reasons = []
+    if spec.device_type == "cuda":
+        if spec.device_capability is not None and spec.device_capability < (8, 0):
+            reasons.append(f"compute capability {spec.device_capability} is below 8.0")
+        if spec.dtype not in (torch.float16, torch.bfloat16):
+            reasons.append(f"dtype {spec.dtype} is not supported on CUDA (use bfloat16 "
+                           "or float16)")
+    elif spec.device_type == "cpu":
+        if not triton_interpreting():
+            reasons.append("no CUDA device (on CPU the kernels only run in Triton's "
+                           "interpreter, for testing: set TRITON_INTERPRET=1)")
+        if spec.dtype not in (torch.float32, torch.float16):
+            reasons.append(f"dtype {spec.dtype} is not supported by Triton's CPU "
+                           "interpreter (use float32 or float16)")
+    else:
+        reasons.append(f"device type {spec.device_type!r} is not supported (CUDA only)")
+    return reasons
