@@ -46,3 +46,26 @@ def peft_logprobs(model, prompt: list[int], output: list[int]) -> torch.Tensor:
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0].double()
     return logits[len(prompt) - 1 : len(prompt) + len(output) - 1].log_softmax(-1)
+
+
+def assert_outputs_match_peft(base: str, paths: dict, names: list, prompts: list[list[int]],
+                              outs: list, max_new_tokens: int, atol: float = 2e-4) -> None:
+    """Each output (its request's adapter ``names[i]``, None for the base model) has PEFT's
+    greedy tokens and, for every reported token, PEFT's logprob within ``atol``; and each
+    adapter's tokens differ from the base model's (so the comparison can fail)."""
+    import pytest
+
+    base_model = peft_model(base, None)
+    oracles = {n: peft_model(base, p) for n, p in paths.items()}
+    for name, prompt, out in zip(names, prompts, outs, strict=True):
+        model = base_model if name is None else oracles[name]
+        tokens = out.outputs[0].token_ids
+        assert tokens == peft_greedy(model, prompt, max_new_tokens), name
+        expected = peft_logprobs(model, prompt, tokens)
+        for step, (token, top) in enumerate(zip(tokens, out.outputs[0].logprobs)):
+            for token_id, logprob in top.items():
+                assert logprob.logprob == pytest.approx(expected[step, token_id].item(),
+                                                        abs=atol), (name, step)
+            assert token in top
+        if name is not None:
+            assert tokens != peft_greedy(base_model, prompt, max_new_tokens), name

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lora_reference import peft_greedy, peft_logprobs, peft_model
+from lora_reference import assert_outputs_match_peft
 from peft import PeftModel
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file
@@ -81,19 +81,7 @@ def test_engine_output_with_written_adapters_equals_peft(qwen3_with_adapters):
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=3)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                         lora_request=requests, use_tqdm=False)
-    base_model = peft_model(base, None)
-    oracles = {n: peft_model(base, p) for n, p in paths.items()}
-    for name, prompt, out in zip(names, prompts, outs):
-        model = base_model if name is None else oracles[name]
-        tokens = out.outputs[0].token_ids
-        assert tokens == peft_greedy(model, prompt, MAX_NEW), name
-        expected = peft_logprobs(model, prompt, tokens)
-        for step, top in enumerate(out.outputs[0].logprobs):
-            for token_id, logprob in top.items():
-                assert logprob.logprob == pytest.approx(expected[step, token_id].item(),
-                                                        abs=2e-4), (name, step)
-        if name is not None:  # the adapter changes the output: the comparison can fail
-            assert tokens != peft_greedy(base_model, prompt, MAX_NEW), name
+    assert_outputs_match_peft(base, paths, names, prompts, outs, MAX_NEW)
 
 
 def test_writer_refuses_unknown_targets(bench, tiny_models, tmp_path):

@@ -5,7 +5,7 @@ rows equal the base model."""
 from __future__ import annotations
 
 import pytest
-from lora_reference import peft_greedy, peft_logprobs, peft_model, write_adapter
+from lora_reference import assert_outputs_match_peft, peft_greedy, peft_model, write_adapter
 from test_models_hf_parity import mixed_prompts
 
 from hitchllm import LLM, LoRARequest, SamplingParams
@@ -46,20 +46,7 @@ def test_mixed_adapter_batch_matches_peft(model_and_adapters):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy_with_logprobs(),
                         lora_request=requests, use_tqdm=False)
 
-    base_model = peft_model(base, None)
-    oracles = {n: peft_model(base, p) for n, p in paths.items()}
-    for name, prompt, out in zip(names, prompts, outs):
-        model = base_model if name is None else oracles[name]
-        tokens = out.outputs[0].token_ids
-        assert tokens == peft_greedy(model, prompt, MAX_NEW), name
-        expected = peft_logprobs(model, prompt, tokens)
-        for step, (token, top) in enumerate(zip(tokens, out.outputs[0].logprobs)):
-            for token_id, logprob in top.items():
-                assert logprob.logprob == pytest.approx(expected[step, token_id].item(),
-                                                        abs=2e-4), (name, step)
-            assert token in top
-        if name is not None:  # the adapter matters: its tokens are not the base model's
-            assert tokens != peft_greedy(base_model, prompt, MAX_NEW), name
+    assert_outputs_match_peft(base, paths, names, prompts, outs, MAX_NEW)
     assert llm.engine.kv_cache.usage == 0  # every block returned
 
 

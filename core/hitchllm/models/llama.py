@@ -136,7 +136,32 @@ def dense_mlp(
     return LlamaMLP(config, quant_config, prefix)
 
 
-class LlamaDecoderLayer(nn.Module):
+class PreNormDecoderLayer(nn.Module):
+    """A decoder layer of pre-norm attention and MLP blocks around one residual stream; a
+    subclass builds ``input_layernorm``, ``self_attn`` (``(positions, hidden) -> hidden``),
+    ``post_attention_layernorm`` and ``mlp``. Shared by the core's models and plugins' (the
+    MLA plugin's DeepSeek layers)."""
+
+    input_layernorm: RMSNorm
+    self_attn: nn.Module
+    post_attention_layernorm: RMSNorm
+    mlp: nn.Module
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(mlp output, residual stream)``; the next layer (or the final norm) adds
+        them. ``residual`` is None for the first layer, whose ``hidden`` is the embedding."""
+        if residual is None:
+            normed, residual = self.input_layernorm(hidden), hidden
+        else:
+            normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        attn_out = self.self_attn(positions, normed)
+        normed, residual = self.post_attention_layernorm.add_and_norm(attn_out, residual)
+        return self.mlp(normed), residual
+
+
+class LlamaDecoderLayer(PreNormDecoderLayer):
     """Attention and MLP with pre-norms; ``make_mlp`` builds the MLP (a dense ``LlamaMLP`` by
     default, a mixture of experts in the MoE members of the family)."""
 
@@ -151,19 +176,6 @@ class LlamaDecoderLayer(nn.Module):
                                         f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = make_mlp(config, layer_index, quant_config, f"{prefix}.mlp")
-
-    def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns ``(mlp output, residual stream)``; the next layer (or the final norm) adds
-        them. ``residual`` is None for the first layer, whose ``hidden`` is the embedding."""
-        if residual is None:
-            normed, residual = self.input_layernorm(hidden), hidden
-        else:
-            normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        attn_out = self.self_attn(positions, normed)
-        normed, residual = self.post_attention_layernorm.add_and_norm(attn_out, residual)
-        return self.mlp(normed), residual
 
 
 class LlamaModel(nn.Module):

@@ -32,6 +32,7 @@ from hitchllm.layers import (
     load_named_weights,
 )
 from hitchllm.layers.loading import Route, Stacking
+from hitchllm.models.llama import PreNormDecoderLayer
 from hitchllm.models.norm import RMSNorm
 from hitchllm_attention_mla.deepseek_moe import DeepseekMLP, DeepseekMoE
 from hitchllm_attention_mla.layer import MLAAttention, MLADims
@@ -103,7 +104,7 @@ def moe_block(config: ModelConfig, layer_index: int, quant_config: QuantizationM
     return DeepseekMoE(config, quant_config, prefix)
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekDecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: ModelConfig, layer_index: int, rotary: DeepseekRotaryEmbedding,
                  quant_config: QuantizationMethod | None, prefix: str) -> None:
         super().__init__()
@@ -115,17 +116,6 @@ class DeepseekDecoderLayer(nn.Module):
                     if is_moe_layer(config.hf_config, layer_index)
                     else DeepseekMLP(config.hidden_size, config.intermediate_size,
                                      config.hidden_act, quant_config, f"{prefix}.mlp"))
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(mlp output, residual stream)``, as the Llama decoder layer."""
-        if residual is None:
-            normed, residual = self.input_layernorm(hidden), hidden
-        else:
-            normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        attn_out = self.self_attn(positions, normed)
-        normed, residual = self.post_attention_layernorm.add_and_norm(attn_out, residual)
-        return self.mlp(normed), residual
 
 
 class DeepseekModel(nn.Module):
