@@ -5,7 +5,10 @@ Qwen3-MoE engine whose greedy tokens do not change when the kernel replaces PyTo
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -150,6 +153,25 @@ def test_qwen3_moe_greedy_tokens_equal_the_torch_method(tmp_path, monkeypatch):
                if isinstance(m, FusedMoE)}
     assert methods == {TritonMoEMethod}
     assert run(llm, prompts, max_tokens=6) == expected
+
+
+@on_cpu
+def test_benchmark_smoke_run_on_cpu(tmp_path, monkeypatch, capsys):
+    """``benchmarks/moe_kernels.py --device cpu`` runs its tiny shapes through the
+    interpreter, agrees with the per-expert loop and appends its table under its section."""
+    bench_dir = Path(__file__).resolve().parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(bench_dir))
+    spec = importlib.util.spec_from_file_location("moe_kernels_bench",
+                                                  bench_dir / "moe_kernels.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "moe_kernels_bench", bench)
+    spec.loader.exec_module(bench)
+    results = tmp_path / "RESULTS.md"
+    bench.main(["--device", "cpu", "--results", str(results)])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][2:]
+    assert len(rows) == len(bench.CPU_WORKLOAD.tokens)
+    assert all(float(row.split("|")[-2]) < 1e-5 for row in rows)  # rel. diff column
+    assert bench.SECTION in results.read_text()
 
 
 # DeepSeek-V2-Lite's expert layers: 64 experts, top-6, hidden 2048, intermediate 1408.
