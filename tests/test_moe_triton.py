@@ -48,7 +48,8 @@ def random_moe(tokens, top_k, experts, hidden, inter, dtype, device="cpu", used=
     w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5
     w2 = torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5
     pool = used or experts
-    ids = torch.stack([torch.randperm(pool, generator=gen)[:top_k] for _ in range(tokens)])
+    rows = [torch.randperm(pool, generator=gen)[:top_k] for _ in range(tokens)]
+    ids = torch.stack(rows) if rows else torch.zeros(0, top_k, dtype=torch.long)
     weights = torch.rand(tokens, top_k, generator=gen)
     return [t.to(device) for t in (x.to(dtype), w13.to(dtype), w2.to(dtype), weights, ids)]
 
@@ -110,6 +111,15 @@ def test_fused_moe_names_mismatched_shapes():
         fused_moe(x[:, :8], w13, w2, weights, ids)
     with pytest.raises(ValueError, match="must both be"):
         fused_moe(x, w13, w2, weights[:, :1], ids)
+    with pytest.raises(ValueError, match="must share a dtype"):
+        fused_moe(x.half(), w13, w2, weights, ids)
+
+
+@on_cpu
+def test_fused_moe_of_an_empty_batch_is_empty():
+    x, w13, w2, weights, ids = random_moe(0, 2, 8, 16, 8, torch.float32)
+    assert ids.shape == (0, 2)
+    assert fused_moe(x, w13, w2, weights, ids).shape == (0, 16)
 
 
 def moe_model(experts=4):

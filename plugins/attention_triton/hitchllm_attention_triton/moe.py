@@ -174,6 +174,10 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             num_experts, hidden_size, inter):
         raise ValueError(f"expert weights w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do "
                          f"not match hidden size {hidden_size} ([E, 2I, H] and [E, H, I])")
+    if not hidden.dtype == w13.dtype == w2.dtype:
+        raise ValueError(f"hidden ({hidden.dtype}) and expert weights ({w13.dtype}, "
+                         f"{w2.dtype}) must share a dtype; cast the activations to the "
+                         "weights' dtype")
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != tokens:
         raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights "
                          f"{tuple(topk_weights.shape)} must both be [{tokens}, top_k]")
