@@ -59,13 +59,12 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlig
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_ends = padded.cumsum(0)
-    padded_starts = padded_ends - padded
-    order = torch.sort(flat, stable=True).indices
-    sorted_experts = flat[order]
-    run_starts = counts.cumsum(0) - counts
-    rank = torch.arange(pairs, device=device) - run_starts[sorted_experts]
+    # Sorted position i of expert e's run goes to row i + (padded start - unpadded start of e).
+    shift = padded_ends - padded - (counts.cumsum(0) - counts)
+    sorted_experts, order = torch.sort(flat, stable=True)
+    rows = torch.arange(pairs, device=device) + shift[sorted_experts]
     sorted_ids = torch.full((max_rows,), pairs, dtype=torch.int32, device=device)
-    sorted_ids[padded_starts[sorted_experts] + rank] = order.to(torch.int32)
+    sorted_ids[rows] = order.to(torch.int32)
     block_rows = torch.arange(0, max_rows, block_m, device=device)
     block_expert = torch.searchsorted(padded_ends, block_rows, right=True)
     # Blocks past the last expert's run are skipped by the kernel; keep their index in range.
