@@ -57,7 +57,7 @@ def _fresh_plugins(monkeypatch):
     the CPU and every engine test would crawl through Triton's interpreter. Tests of auto mode
     use the ``auto_backend`` fixture.
     """
-    for var in ("HITCHLLM_PLUGINS", "VLLM_ATTENTION_BACKEND"):
+    for var in ("HITCHLLM_PLUGINS", "VLLM_ATTENTION_BACKEND", "HITCHLLM_MOE_KERNEL"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HITCHLLM_ATTENTION_BACKEND", "TORCH")
     reset_plugin_registry()

@@ -11,7 +11,9 @@ under tensor parallelism: gate/up rows, down columns, outputs summed over ranks)
 ``forward(hidden [T, H], topk_weights [T, k], topk_ids [T, k])`` returns ``sum_j
 topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t])``. The layer's ``MoEMethod`` computes
 it; it is chosen like a linear method: ``quant_config.get_moe_method(layer, prefix)`` when the
-quantization method has one, else ``UnquantizedMoEMethod`` (plain PyTorch). The routing
+quantization method has one, else ``UnquantizedMoEMethod`` (plain PyTorch), which a plugin may
+swap in ``hitchllm_model_loaded`` for a kernel on the same weights (the attention_triton
+plugin's fused Triton MoE on CUDA). The routing
 functions (``softmax_topk``, ``grouped_topk``, from ``hitchllm.layers.moe_routing``) give the
 top-k weights and ids from router logits.
 """

@@ -1,9 +1,28 @@
-"""Entry point of the plugin: registers TRITON_ATTN with hitchllm."""
+"""Entry point of the plugin: registers TRITON_ATTN with hitchllm and puts the fused Triton
+MoE kernel under the model's mixture-of-experts layers on CUDA."""
 
 from __future__ import annotations
 
+import importlib.util
+import logging
+import os
+from typing import TYPE_CHECKING
+
+from torch import nn
+
 from hitchllm import hookimpl
 from hitchllm.attention import AttentionBackend
+from hitchllm.layers import FusedMoE, UnquantizedMoEMethod
+
+if TYPE_CHECKING:
+    from hitchllm.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+# "triton" forces the fused kernel (also on the CPU, through Triton's interpreter when
+# TRITON_INTERPRET=1), "torch" keeps the core's PyTorch method; unset: triton on CUDA.
+MOE_KERNEL_ENV = "HITCHLLM_MOE_KERNEL"
+MOE_KERNELS = ("triton", "torch")
 
 
 @hookimpl
@@ -12,3 +31,34 @@ def hitchllm_attention_backends() -> list[type[AttentionBackend]]:
     from hitchllm_attention_triton.backend import TritonAttentionBackend
 
     return [TritonAttentionBackend]
+
+
+@hookimpl
+def hitchllm_model_loaded(model: nn.Module, engine_config: EngineConfig) -> None:
+    """Swap the PyTorch method of every unquantized ``FusedMoE`` layer for the fused Triton
+    kernel (same weights, nothing to repack), on CUDA or when ``HITCHLLM_MOE_KERNEL=triton``.
+    A quantization plugin's MoE method is left alone."""
+    layers = [m for m in model.modules()
+              if isinstance(m, FusedMoE) and type(m.moe_method) is UnquantizedMoEMethod]
+    if not layers or not _use_triton_moe(layers[0]):
+        return
+    from hitchllm_attention_triton.moe import TritonMoEMethod
+
+    for layer in layers:
+        layer.moe_method = TritonMoEMethod()
+        layer.moe_method.process_weights_after_loading(layer)
+    logger.info("fused Triton MoE kernel on %d expert layers", len(layers))
+
+
+def _use_triton_moe(layer: FusedMoE) -> bool:
+    choice = os.environ.get(MOE_KERNEL_ENV, "").strip().lower()
+    if choice and choice not in MOE_KERNELS:
+        raise ValueError(f"{MOE_KERNEL_ENV}={choice!r} is not one of {MOE_KERNELS} (unset it "
+                         "to use the fused Triton kernel on CUDA and PyTorch elsewhere)")
+    has_triton = importlib.util.find_spec("triton") is not None
+    if choice == "triton" and not has_triton:
+        raise ValueError(f"{MOE_KERNEL_ENV}=triton needs the triton package (pip install "
+                         f"triton), or unset {MOE_KERNEL_ENV}")
+    if choice:
+        return choice == "triton"
+    return has_triton and layer.w13_weight.is_cuda
