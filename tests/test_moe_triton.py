@@ -238,7 +238,7 @@ def test_qwen3_moe_on_cuda_greedy_tokens_equal_the_torch_method(tmp_path, monkey
     engine = dict(device="cuda", dtype="float32", block_size=16)
     monkeypatch.setenv(MOE_KERNEL_ENV, "torch")
     expected = run(LLM(path, **engine), prompts)
-    monkeypatch.delenv(MOE_KERNEL_ENV)  # auto: the kernel on CUDA
+    monkeypatch.setenv(MOE_KERNEL_ENV, "triton")
     llm = LLM(path, **engine)
     assert {type(m.moe_method) for m in llm.engine.executor.runner.model.modules()
             if isinstance(m, FusedMoE)} == {TritonMoEMethod}

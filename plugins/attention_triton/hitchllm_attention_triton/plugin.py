@@ -19,8 +19,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# "triton" forces the fused kernel (also on the CPU, through Triton's interpreter when
-# TRITON_INTERPRET=1), "torch" keeps the core's PyTorch method; unset: triton on CUDA.
+# "triton" installs the fused kernel (also on the CPU, through Triton's interpreter when
+# TRITON_INTERPRET=1), "torch" or unset keeps the core's PyTorch method: the kernel is opt-in
+# until it has been run and measured on a GPU (issue 18).
 MOE_KERNEL_ENV = "HITCHLLM_MOE_KERNEL"
 MOE_KERNELS = ("triton", "torch")
 
@@ -36,11 +37,11 @@ def hitchllm_attention_backends() -> list[type[AttentionBackend]]:
 @hookimpl
 def hitchllm_model_loaded(model: nn.Module, engine_config: EngineConfig) -> None:
     """Swap the PyTorch method of every unquantized ``FusedMoE`` layer for the fused Triton
-    kernel (same weights, nothing to repack), on CUDA or when ``HITCHLLM_MOE_KERNEL=triton``.
-    A quantization plugin's MoE method is left alone."""
+    kernel (same weights, nothing to repack) when ``HITCHLLM_MOE_KERNEL=triton``. A
+    quantization plugin's MoE method is left alone."""
     layers = [m for m in model.modules()
               if isinstance(m, FusedMoE) and type(m.moe_method) is UnquantizedMoEMethod]
-    if not layers or not _use_triton_moe(layers[0]):
+    if not layers or not _use_triton_moe():
         return
     from hitchllm_attention_triton.moe import TritonMoEMethod
 
@@ -50,15 +51,13 @@ def hitchllm_model_loaded(model: nn.Module, engine_config: EngineConfig) -> None
     logger.info("fused Triton MoE kernel on %d expert layers", len(layers))
 
 
-def _use_triton_moe(layer: FusedMoE) -> bool:
+def _use_triton_moe() -> bool:
     choice = os.environ.get(MOE_KERNEL_ENV, "").strip().lower()
     if choice and choice not in MOE_KERNELS:
         raise ValueError(f"{MOE_KERNEL_ENV}={choice!r} is not one of {MOE_KERNELS} (unset it "
-                         "to use the fused Triton kernel on CUDA and PyTorch elsewhere)")
+                         "to keep the PyTorch method)")
     has_triton = importlib.util.find_spec("triton") is not None
     if choice == "triton" and not has_triton:
         raise ValueError(f"{MOE_KERNEL_ENV}=triton needs the triton package (pip install "
                          f"triton), or unset {MOE_KERNEL_ENV}")
-    if choice:
-        return choice == "triton"
-    return has_triton and layer.w13_weight.is_cuda
+    return choice == "triton"
