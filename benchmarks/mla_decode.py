@@ -135,11 +135,17 @@ def flashinfer_fn(case: Case, rank: int) -> Callable[[], torch.Tensor]:
     kv_indptr[1:] = pages_per_req.cumsum(0)
     cols = torch.arange(case.block_table.shape[1], device=device)
     kv_indices = case.block_table[cols[None, :] < pages_per_req[:, None]].int()
+    qo_indptr = torch.arange(n + 1, dtype=torch.int32, device=device)
     workspace = torch.empty(128 * 1024 * 1024, dtype=torch.int8, device=device)
-    wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(workspace)
-    wrapper.plan(torch.arange(n + 1, dtype=torch.int32, device=device), kv_indptr, kv_indices,
-                 case.seq_lens, heads, rank, case.cache.shape[-1] - rank, page, False,
-                 case.scale, case.q.dtype, case.cache.dtype)
+    # The CUDA-graph form (page lists in buffers of its own), as an engine replaying decode
+    # steps would use it, since the timing replays a graph.
+    wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
+        workspace, use_cuda_graph=True, qo_indptr=torch.empty_like(qo_indptr),
+        kv_indptr=torch.empty_like(kv_indptr), kv_indices=torch.empty_like(kv_indices),
+        kv_len_arr=torch.empty_like(case.seq_lens))
+    wrapper.plan(qo_indptr, kv_indptr, kv_indices, case.seq_lens, heads, rank,
+                 case.cache.shape[-1] - rank, page, False, case.scale, case.q.dtype,
+                 case.cache.dtype)
     q_nope, q_pe = case.q[..., :rank].contiguous(), case.q[..., rank:].contiguous()
     ckv, kpe = case.cache[..., :rank], case.cache[..., rank:]
     return lambda: wrapper.run(q_nope, q_pe, ckv, kpe)
