@@ -1,6 +1,7 @@
 """``benchmarks/mla_decode.py``: the CPU smoke run (tiny dims through Triton's interpreter)
 checks TRITON_MLA against the float64 reference, prints and appends its table; a wrong kernel
-output stops the run before any timing."""
+output stops the run before any timing; the FlashInfer column's page lists (from the block
+table) give the reference through a torch stand-in of FlashInfer's MLA wrapper."""
 
 from __future__ import annotations
 
