@@ -7,11 +7,21 @@
 # With the argument "backends": the auto choice, then every GPU backend forced (fastest of two
 # runs each), so the selector's choice can be checked against the fastest. With "fp8":
 # TRITON_ATTN with a bf16 KV cache, then with an fp8 (e4m3) one (fastest of two runs each).
-#   bash benchmarks/throughput_gpu.sh [backends|fp8]   # after installing the core and plugins
+# With "deepseek" (issue 18): a DeepSeek-V2-Lite-shaped model with random weights
+# (benchmarks/configs/deepseek-v2-lite.json, MLA + MoE, about 31 GB in bf16, built on the GPU
+# into $DS_MODEL, default /tmp/deepseek-v2-lite; needs the attention_mla plugin): the same
+# workload, then its first 64 prompts against Hugging Face generate in the same run.
+#   bash benchmarks/throughput_gpu.sh [backends|fp8|deepseek]   # after installing core + plugins
 set -euo pipefail
-model="${MODEL:-/tmp/qwen3-0.6b}"
 results="${RESULTS:-benchmarks/RESULTS.md}"
-[ -f "$model/config.json" ] || python3 benchmarks/build_model.py benchmarks/configs/qwen3-0.6b.json "$model"
+if [ "${1:-}" = deepseek ]; then
+    model="${DS_MODEL:-/tmp/deepseek-v2-lite}"
+    config=benchmarks/configs/deepseek-v2-lite.json
+else
+    model="${MODEL:-/tmp/qwen3-0.6b}"
+    config=benchmarks/configs/qwen3-0.6b.json
+fi
+[ -f "$model/config.json" ] || python3 benchmarks/build_model.py "$config" "$model"
 bench() {
     python3 -m hitchllm.entrypoints.cli bench throughput --model "$model" --num-prompts 256 \
         --input-len 100 1024 --output-len 100 1024 --seed 0 --block-size 16 --dtype bfloat16 \
@@ -22,6 +32,12 @@ if [ "${1:-}" = fp8 ]; then  # issue 15: fp8 KV cache against bf16 KV, same run,
         bench --repeat 2 --attention-backend TRITON_ATTN --kv-cache-dtype "$kv" \
             --label "Qwen3-0.6B shape, TRITON_ATTN, kv_cache_dtype=$kv"
     done
+    exit 0
+fi
+if [ "${1:-}" = deepseek ]; then  # issue 18, point 4: MLA (auto: TRITON_MLA) + MoE end to end
+    bench --label "DeepSeek-V2-Lite shape, auto backend choice (TRITON_MLA)"
+    bench --hf-num-prompts 64 --compare-hf --hf-batch-size 64 \
+        --label "DeepSeek-V2-Lite shape, first 64 prompts, vs Hugging Face generate"
     exit 0
 fi
 if [ "${1:-}" = backends ]; then

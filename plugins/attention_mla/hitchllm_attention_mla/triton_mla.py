@@ -8,24 +8,44 @@ request ("split-KV"); each writes its partial output with its running maximum an
 the partials are merged afterwards. Requests with several new tokens (prompts, chunks) run
 TORCH_MLA's expanded path (SDPA).
 
+CUDA graphs (``CudaGraphSupport.UNIFORM_DECODE``): a batch of decodes only gets
+``TritonMLADecodeMetadata``, views of the engine's persistent buffers (sequence lengths,
+block table, slot mapping), and its impl path reads nothing back to the host, allocates only
+through ``torch.empty``/``new_zeros`` and launches a grid fixed by the batch size and
+``max_seq_len`` (the engine's ``max_model_len`` for graph batches). Mixed batches stay eager.
+
 The cache layout is TORCH_MLA's: ``[num_blocks + 1, block_size, kv_lora_rank + rope]``.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from hitchllm.attention import AttentionImpl, AttentionSpec
-from hitchllm.attention.torch_backend import BatchedRequests
+from hitchllm.attention import (
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionSpec,
+    CommonAttentionMetadata,
+    CudaGraphSupport,
+)
+from hitchllm.attention.torch_backend import (
+    BatchedRequests,
+    TorchAttentionMetadata,
+    TorchAttentionMetadataBuilder,
+)
 from hitchllm.attention.triton_support import triton_device_reasons
 from hitchllm_attention_mla.torch_mla import TorchMLABackend, TorchMLAImpl, mla_reasons
 
-#: Tokens one program reads per iteration, and the fewest programs a step should launch
-#: before long contexts are split further.
+#: Tokens one program reads per iteration, heads it serves, and the fewest programs a step
+#: should launch before long contexts are split further. 16 heads per program: its output
+#: block (16 x kv_lora_rank float32, 32 KiB at V3's 512) stays in registers; the other head
+#: blocks re-read the same latents, mostly from L2.
 BLOCK_N = 16
+BLOCK_H = 16
 TARGET_PROGRAMS = 128
 
 
@@ -40,49 +60,111 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     the rope part) of N one-token requests over their ``seq_lens`` cached latents
     (``kv_cache`` [blocks, block_size, latent], ``block_table`` [N, cols]). Returns the
     latent-space output [N, heads, kv_lora_rank] in float32: ``softmax(scale * q . latent)``
-    weighted sum of the latents' first ``kv_lora_rank`` values."""
+    weighted sum of the latents' first ``kv_lora_rank`` values; zeros for a request with an
+    empty context (a padding row of a CUDA-graph batch). ``max_seq_len`` (an upper bound
+    will do) and N choose the number of splits; the kernel cuts each context itself."""
     from hitchllm_attention_mla.triton_mla_kernel import mla_decode_partials
 
     n, heads, width = q.shape
-    # 16 heads per program: its output block (16 x kv_lora_rank float32, 32 KiB at V3's 512)
-    # stays in registers; the other head blocks re-read the same latents, mostly from L2.
-    block_h = 16
-    head_blocks = -(-heads // block_h)
+    head_blocks = -(-heads // BLOCK_H)
     if num_splits is None:
-        wanted = max(1, TARGET_PROGRAMS // max(1, n * head_blocks))
-        num_splits = max(1, min(wanted, -(-max_seq_len // BLOCK_N)))
-    tokens_per_split = -(-max(1, max_seq_len) // num_splits)
-    tokens_per_split = -(-tokens_per_split // BLOCK_N) * BLOCK_N
+        num_splits = decode_splits(n, heads, max_seq_len)
     acc = torch.empty(n, heads, num_splits, kv_lora_rank, dtype=torch.float32, device=q.device)
     stats = torch.empty(2, n, heads, num_splits, dtype=torch.float32, device=q.device)
     mla_decode_partials[(n, head_blocks, num_splits)](
         q, kv_cache, block_table, seq_lens, acc, stats, scale,
         q.stride(0), q.stride(1), block_table.stride(0), acc.stride(0), acc.stride(1),
         acc.stride(2), stats.stride(0), stats.stride(1), stats.stride(2),
-        heads, kv_lora_rank, width, kv_cache.shape[1], tokens_per_split,
-        BLOCK_H=block_h, BLOCK_N=BLOCK_N, BLOCK_L=_next_pow2(kv_lora_rank),
+        heads, kv_lora_rank, width, kv_cache.shape[1],
+        BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_L=_next_pow2(kv_lora_rank),
         BLOCK_R=_next_pow2(width - kv_lora_rank),
     )
     # Merge the splits: each partial is scaled to the common maximum (empty splits weigh 0).
+    # An empty context has no finite maximum and a total of 0: the clamps make its output 0
+    # (not NaN) and change nothing else (a non-empty context has a total of at least 1).
     m, lse = stats[0], stats[1]
-    weights = torch.exp(m - m.amax(-1, keepdim=True))  # [N, heads, splits]
-    total = (weights * lse).sum(-1, keepdim=True)
+    top = m.amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)
+    weights = torch.exp(m - top)  # [N, heads, splits]
+    total = (weights * lse).sum(-1, keepdim=True).clamp(min=1e-30)
     return (weights[..., None] * acc).sum(2) / total
 
 
+def decode_splits(num_reqs: int, heads: int, max_seq_len: int) -> int:
+    """Splits per request: enough programs for about ``TARGET_PROGRAMS`` per step, no more
+    than ``max_seq_len`` has tiles of ``BLOCK_N`` tokens. Host values only (batch shape and
+    the length bound), so a graph batch's launch is fixed by its padded size."""
+    programs = max(1, num_reqs * -(-heads // BLOCK_H))
+    return max(1, min(TARGET_PROGRAMS // programs, -(-max_seq_len // BLOCK_N)))
+
+
+@dataclass
+class TritonMLADecodeMetadata:
+    """A batch of decodes only: request ``i``'s one new token is token ``i``. Every tensor is
+    a view of the engine's buffers (persistent for CUDA-graph batches, which count padding
+    requests with context 0 and slot -1 in ``num_reqs``)."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    block_table: torch.Tensor  # [num_reqs, max_blocks] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32
+    num_reqs: int
+    max_seq_len: int  # an upper bound for graph batches (max_model_len)
+
+
+class TritonMLAMetadataBuilder(TorchAttentionMetadataBuilder):
+    """Decode-only batches (every request one new token, CUDA-graph batches among them) as
+    views of the engine's buffers; other batches as TORCH_MLA splits them (eager only)."""
+
+    def build(self, common: CommonAttentionMetadata
+              ) -> TritonMLADecodeMetadata | TorchAttentionMetadata:
+        if common.max_query_len != 1:
+            if common.cuda_graph:
+                raise ValueError("TRITON_MLA captures only uniform decode batches (one new "
+                                 f"token per request); got max_query_len "
+                                 f"{common.max_query_len} in a CUDA-graph batch")
+            return super().build(common)
+        n = common.num_reqs
+        return TritonMLADecodeMetadata(
+            slot_mapping=common.slot_mapping[: common.num_actual_tokens],
+            block_table=common.block_table[:n], seq_lens=common.seq_lens[:n], num_reqs=n,
+            max_seq_len=common.max_seq_len)
+
+
 class TritonMLAImpl(TorchMLAImpl):
-    """TORCH_MLA with the decodes (the batched requests, one new token each) in Triton."""
+    """TORCH_MLA with the decodes in Triton: a decode-only batch (graph-safe) as a whole, the
+    decodes of a mixed batch (the batched requests, one new token each) among its prefills."""
+
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None,
+        kv_cache: torch.Tensor, metadata: TritonMLADecodeMetadata | TorchAttentionMetadata,
+    ) -> torch.Tensor:
+        if not isinstance(metadata, TritonMLADecodeMetadata):
+            return super().forward(query, key, value, kv_cache, metadata)
+        self.write_latents(kv_cache, key[:, 0], metadata.slot_mapping)
+        n = metadata.num_reqs
+        out = self._decode(query[:n], kv_cache, metadata.block_table, metadata.seq_lens,
+                           metadata.max_seq_len)
+        if query.shape[0] == n:
+            return out
+        padded = query.new_zeros(query.shape[0], *out.shape[1:])
+        padded[:n] = out
+        return padded
 
     def _attend_absorbed(self, query: torch.Tensor, kv_cache: torch.Tensor, b: BatchedRequests
                          ) -> torch.Tensor:
         # The builder batches only requests with one new token (MLA has no soft-cap), so the
         # batched tokens are the requests, in order.
+        return self._decode(query, kv_cache, b.block_table, b.seq_lens, b.max_seq_len)
+
+    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                seq_lens: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+        """Request ``i``'s one token ``query[i]`` over its ``seq_lens[i]`` cached latents, in
+        the absorbed form: [N, heads, v_head_dim]."""
         d = self.dims
         w_uk, w_uv = self.up_weights()
         q_nope, q_pe = query.split([d.qk_nope_head_dim, d.qk_rope_head_dim], dim=-1)
         q = torch.cat((torch.einsum("thd,hdr->thr", q_nope, w_uk), q_pe), dim=-1).contiguous()
-        o_lat = mla_decode(q, kv_cache, b.block_table, b.seq_lens, self.scale, d.kv_lora_rank,
-                           b.max_seq_len)
+        o_lat = mla_decode(q, kv_cache, block_table, seq_lens, self.scale, d.kv_lora_rank,
+                           max_seq_len)
         return torch.einsum("thr,hvr->thv", o_lat.to(query.dtype), w_uv)
 
 
@@ -92,6 +174,7 @@ class TritonMLABackend(TorchMLABackend):
 
     name: ClassVar[str] = "TRITON_MLA"
     priority: ClassVar[int] = 110
+    cuda_graph_support: ClassVar[CudaGraphSupport] = CudaGraphSupport.UNIFORM_DECODE
 
     @classmethod
     def validate(cls, spec: AttentionSpec) -> list[str]:
@@ -109,3 +192,7 @@ class TritonMLABackend(TorchMLABackend):
     @classmethod
     def get_impl_cls(cls) -> type[AttentionImpl]:
         return TritonMLAImpl
+
+    @classmethod
+    def get_builder_cls(cls) -> type[AttentionMetadataBuilder]:
+        return TritonMLAMetadataBuilder

@@ -17,12 +17,16 @@ def mla_decode_partials(
     scale,
     stride_qt, stride_qh, stride_bt, stride_at, stride_ah, stride_as,
     stride_s0, stride_st, stride_sh,
-    num_heads, kv_lora_rank, width, block_size, tokens_per_split,
+    num_heads, kv_lora_rank, width, block_size,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
     """One program: request ``program_id(0)``, ``BLOCK_H`` heads, one split of its context.
-    Every latent row it reads serves all its heads (the MLA cache has one vector per token)."""
+    Every latent row it reads serves all its heads (the MLA cache has one vector per token).
+    The request's context is cut into ``num_programs(2)`` equal splits (whole ``BLOCK_N``
+    tiles) from its length read on the device, so the launch depends on no host value but
+    the split count; a split past the context (or a padding request's empty context) stores
+    a running maximum of -inf and a sum of 0."""
     req = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -38,8 +42,9 @@ def mla_decode_partials(
                   other=0.0)
 
     seq_len = tl.load(seq_lens_ptr + req)
-    start = split * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, seq_len)
+    per_split = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_L], dtype=tl.float32)
