@@ -185,3 +185,27 @@ def test_random_sampling_params_are_rejected_or_complete(llm, kwargs):
     for c in outputs[0].outputs:
         assert c.finish_reason in ("length", "stop")
     assert llm.engine.kv_cache.num_free_blocks == llm.engine.num_kv_blocks, kwargs
+
+
+def test_an_end_of_sequence_id_outside_the_vocabulary_is_reported_and_unused(
+        llama_path, tmp_path, caplog):
+    """A generation_config naming an eos id past the vocabulary (it can never be sampled)
+    used to crash the sampler's min_tokens mask; it is logged and left out."""
+    import json
+    import shutil
+
+    path = tmp_path / "model"
+    shutil.copytree(llama_path, path)
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    gen = path / "generation_config.json"
+    config = json.loads(gen.read_text()) if gen.is_file() else {}
+    config["eos_token_id"] = [vocab + 7]
+    gen.write_text(json.dumps(config))
+    with caplog.at_level("WARNING", logger="hitchllm.engine.llm_engine"):
+        llm = LLM(str(path))
+    assert f"[{vocab + 7}]" in caplog.text
+    assert all(0 <= i < vocab for i in llm.engine.eos_token_ids)
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}],
+                       SamplingParams(temperature=0, max_tokens=5, min_tokens=3),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) >= 3

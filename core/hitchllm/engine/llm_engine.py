@@ -113,8 +113,15 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         eos = self.tokenizer.eos_token_id
         # generation_config.json may name extra end-of-turn ids (Llama 3 <|eot_id|>, Qwen).
-        self.eos_token_ids = tuple(dict.fromkeys(
-            ([] if eos is None else [eos]) + list(mc.eos_token_ids)))
+        eos_ids = dict.fromkeys(([] if eos is None else [eos]) + list(mc.eos_token_ids))
+        # An end-of-sequence id outside the vocabulary can never be sampled (DeepSeek-V2's
+        # config names 100001 in a 102400 vocabulary, but a shrunk copy may not have it).
+        outside = [i for i in eos_ids if not 0 <= i < mc.vocab_size]
+        if outside:
+            logger.warning("end-of-sequence id(s) %s of %s are outside the model's vocabulary "
+                           "of %d and can never be generated; they are not used", outside,
+                           config.model, mc.vocab_size)
+        self.eos_token_ids = tuple(i for i in eos_ids if i not in outside)
 
         self.kv_cache_dtype = config.resolve_kv_cache_dtype(self.dtype)
         self._check_fp8_kv_cache_support()
