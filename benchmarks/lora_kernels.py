@@ -28,23 +28,17 @@ nothing).
 
 from __future__ import annotations
 
-import argparse
-import os
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from graph_timing import graph_time_us
+from graph_timing import device_time_us, kernel_bench_args
 from results_md import append_results, entry_heading
 
 SECTION = "## Grouped LoRA kernels vs a per-adapter loop (issue 17)"
 ABOUT = ("Grouped shrink+expand (Triton) against a loop of per-adapter torch matmuls and the "
          "base layer's bf16 GEMM, Llama-8B layer shapes; benchmarks/lora_kernels.py.")
 
-CALLS_PER_GRAPH = 20
 
 
 @dataclass(frozen=True)
@@ -70,19 +64,6 @@ def token_slots(tokens: int, work: Workload) -> torch.Tensor:
     if tokens >= work.prefill_tokens:
         return torch.arange(4).repeat_interleave(-(-tokens // 4))[:tokens] % work.adapters
     return torch.arange(tokens) % work.adapters
-
-
-def time_us(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median time of one call: CUDA-event times of graph replays on a GPU, wall time on
-    the CPU."""
-    if device.type != "cuda":
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e6)
-        return sorted(times)[len(times) // 2]
-    return graph_time_us(fn, repeats, CALLS_PER_GRAPH)
 
 
 def measure(name: str, hidden: int, widths: tuple[int, ...], tokens: int, work: Workload,
@@ -131,9 +112,9 @@ def measure(name: str, hidden: int, widths: tuple[int, ...], tokens: int, work: 
     error = ((got - want).norm() / want.norm().clamp(min=1e-30)).item()
     row = {"layer": name, "shape": f"{hidden} -> {' + '.join(map(str, widths))}",
            "tokens": tokens, "error": error,
-           "base": time_us(lambda: F.linear(x, weight), device, repeats),
-           "grouped": time_us(grouped, device, repeats),
-           "loop": time_us(loop, device, repeats)}
+           "base": device_time_us(lambda: F.linear(x, weight), device, repeats),
+           "grouped": device_time_us(grouped, device, repeats),
+           "loop": device_time_us(loop, device, repeats)}
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
@@ -143,7 +124,7 @@ def grouping_us(tokens: int, work: Workload, device: torch.device, repeats: int)
     from hitchllm_lora.kernels import group_tokens
 
     token_slot = token_slots(tokens, work).to(device, torch.int32)
-    return time_us(lambda: group_tokens(token_slot, work.adapters), device, repeats)
+    return device_time_us(lambda: group_tokens(token_slot, work.adapters), device, repeats)
 
 
 HEADER = ("| layer | H_in -> N | T | base GEMM us | grouped shrink+expand us | "
@@ -162,19 +143,8 @@ def fmt(row: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                        help="cpu: tiny shapes through Triton's interpreter (smoke run)")
-    parser.add_argument("--results", type=Path, help="append the table to this file")
-    args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("this benchmark needs a CUDA GPU (or --device cpu for a smoke run)")
-    if device.type == "cpu":
-        # Read when the kernels are defined, hence before their module is first imported.
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    args, device, repeats = kernel_bench_args(argv, __doc__)
     work = GPU_WORKLOAD if device.type == "cuda" else CPU_WORKLOAD
-    repeats = 15 if device.type == "cuda" else 1
     title = f"Grouped LoRA kernels vs per-adapter loop (rank {work.rank}, " \
             f"{work.adapters} adapters, {args.device})"
     command = "python benchmarks/lora_kernels.py" + (" --device cpu" if args.device == "cpu"

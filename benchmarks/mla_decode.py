@@ -22,16 +22,12 @@ times mean nothing; FlashInfer is GPU-only and shows "not installed" or "GPU onl
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
-import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from graph_timing import graph_time_us
+from graph_timing import device_time_us, kernel_bench_args
 from results_md import append_results, entry_heading
 
 SECTION = "## MLA decode: TRITON_MLA vs FlashInfer MLA (issue 18)"
@@ -151,18 +147,6 @@ def flashinfer_fn(case: Case, rank: int) -> Callable[[], torch.Tensor]:
     return lambda: wrapper.run(q_nope, q_pe, ckv, kpe)
 
 
-def time_us(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median time of one call: graph-replay CUDA-event times on a GPU, wall time on the CPU."""
-    if device.type != "cuda":
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e6)
-        return sorted(times)[len(times) // 2]
-    return graph_time_us(fn, repeats)
-
-
 def check(fn: Callable[[], torch.Tensor], want: torch.Tensor, tol: float) -> float:
     """The relative error of ``fn()`` against ``want``; raises when it exceeds ``tol``."""
     got = fn().to(want.dtype)
@@ -186,14 +170,14 @@ def measure(dims: Dims, requests: int, context: int, page: int, device: torch.de
     nbytes = useful_bytes(case, dims.kv_lora_rank)
     ours = triton_fn(case, dims.kv_lora_rank)
     ours_err = check(ours, want, tol)
-    ours_us = time_us(ours, device, repeats)
+    ours_us = device_time_us(ours, device, repeats)
     cells = [f"{requests} x {context}", str(page), f"{ours_us:.1f}",
              f"{nbytes / ours_us / 1e3:.0f}"]
     reason = flashinfer_status(device)
     if reason is None:
         theirs = flashinfer_fn(case, dims.kv_lora_rank)
         theirs_err = check(theirs, want, tol)
-        theirs_us = time_us(theirs, device, repeats)
+        theirs_us = device_time_us(theirs, device, repeats)
         cells += [f"{theirs_us:.1f}", f"{nbytes / theirs_us / 1e3:.0f}",
                   f"{theirs_us / ours_us:.0%}", f"{ours_err:.1e} / {theirs_err:.1e}"]
     else:
@@ -205,19 +189,8 @@ def measure(dims: Dims, requests: int, context: int, page: int, device: torch.de
 
 def main(argv: list[str] | None = None) -> list[str]:
     """Run the cases, print the table, append it to ``--results``; returns the rows."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                        help="cpu: tiny dims through Triton's interpreter (smoke run)")
-    parser.add_argument("--results", type=Path, help="append the table to this file")
-    args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("this benchmark needs a CUDA GPU (or --device cpu for a smoke run)")
-    if device.type == "cpu":
-        # Read when the kernel is defined, hence before its module is first imported.
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    args, device, repeats = kernel_bench_args(argv, __doc__)
     dims = GPU_DIMS if device.type == "cuda" else CPU_DIMS
-    repeats = 15 if device.type == "cuda" else 1
     title = (f"MLA decode, {dims.heads} heads, latent {dims.kv_lora_rank} + {dims.rope}, "
              f"{str(dims.dtype).removeprefix('torch.')}, {args.device}")
     command = "python benchmarks/mla_decode.py" + (" --device cpu" if args.device == "cpu"

@@ -24,15 +24,12 @@ nothing).
 
 from __future__ import annotations
 
-import argparse
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from graph_timing import graph_time_us
+from graph_timing import graph_time_us, kernel_bench_args
 from results_md import append_results, entry_heading
 
 SECTION = "## Fused MoE kernel vs a per-expert loop (issue 18)"
@@ -125,19 +122,8 @@ def fmt(row: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                        help="cpu: tiny shapes through Triton's interpreter (smoke run)")
-    parser.add_argument("--results", type=Path, help="append the table to this file")
-    args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("this benchmark needs a CUDA GPU (or --device cpu for a smoke run)")
-    if device.type == "cpu":
-        # Read when the kernels are defined, hence before their module is first imported.
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    args, device, repeats = kernel_bench_args(argv, __doc__)
     work = GPU_WORKLOAD if device.type == "cuda" else CPU_WORKLOAD
-    repeats = 15 if device.type == "cuda" else 1
     title = (f"Fused MoE vs per-expert loop ({work.experts} experts, top-{work.top_k}, "
              f"hidden {work.hidden}, intermediate {work.inter}, {args.device})")
     command = "python benchmarks/moe_kernels.py" + (" --device cpu" if args.device == "cpu"

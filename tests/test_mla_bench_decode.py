@@ -55,7 +55,7 @@ def test_a_wrong_output_stops_the_run_before_timing(bench, monkeypatch):
         return lambda: bench.reference(case, rank).float() * 1.01
 
     monkeypatch.setattr(bench, "triton_fn", wrong)
-    monkeypatch.setattr(bench, "time_us", lambda *a: pytest.fail("timed a wrong kernel"))
+    monkeypatch.setattr(bench, "device_time_us", lambda *a: pytest.fail("timed a wrong kernel"))
     with pytest.raises(AssertionError, match="relative error"):
         bench.main(["--device", "cpu"])
 
