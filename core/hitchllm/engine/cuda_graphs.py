@@ -25,6 +25,8 @@ from collections.abc import Callable
 
 import torch
 
+from hitchllm.attention import AttentionBackend, CudaGraphSupport
+
 logger = logging.getLogger(__name__)
 
 
@@ -90,3 +92,20 @@ class DecodeGraphs:
         key = (size, query_len)
         self._graphs[key].replay()
         return self._outputs[key]
+
+
+def graphs_for(
+    backend: type[AttentionBackend], device: torch.device, sizes: list[int],
+    max_num_seqs: int, max_num_tokens: int, query_lens: tuple[int, ...] = (1,),
+) -> DecodeGraphs | None:
+    """The graphs a runner of ``backend`` on ``device`` may capture (None: none): at the
+    capture sizes that fit ``max_num_seqs`` and ``max_num_tokens``, for one-token decode
+    batches and, where the backend supports uniform batches, for ``query_lens``."""
+    support = backend.cuda_graph_support
+    if device.type != "cuda" or support is CudaGraphSupport.NEVER:
+        return None
+    sizes = [s for s in sizes if s <= min(max_num_seqs, max_num_tokens)]
+    if not sizes:
+        return None
+    lens = query_lens if support is CudaGraphSupport.UNIFORM_BATCH else (1,)
+    return DecodeGraphs(sizes, lens, max_num_tokens)

@@ -15,12 +15,11 @@ from hitchllm.attention import (
     AttentionBackend,
     AttentionSpec,
     CommonAttentionMetadata,
-    CudaGraphSupport,
     KVCacheKind,
     KVCacheSpec,
     set_forward_context,
 )
-from hitchllm.engine.cuda_graphs import DecodeGraphs
+from hitchllm.engine.cuda_graphs import graphs_for
 from hitchllm.engine.input_batch import InputBatch, RequestState
 from hitchllm.engine.prompt_logprobs import compute_prompt_logprobs
 from hitchllm.engine.rejection_sampler import build_draft_tokens
@@ -95,13 +94,8 @@ class ModelRunner:
         # replayed from a graph once ``capture_cuda_graphs`` ran), so eager and graph runs of
         # the same batch launch the very same kernels. With a backend that allows it, so are
         # batches of ``graph_query_lens`` tokens per request (speculative verification).
-        support = backend.cuda_graph_support
-        graphs_possible = device.type == "cuda" and support in (
-            CudaGraphSupport.UNIFORM_DECODE, CudaGraphSupport.UNIFORM_BATCH)
-        query_lens = graph_query_lens if support is CudaGraphSupport.UNIFORM_BATCH else (1,)
-        sizes = [s for s in cuda_graph_sizes or [] if s <= min(max_num_seqs, max_num_tokens)]
-        self.graphs = (DecodeGraphs(sizes, query_lens, max_num_tokens)
-                       if graphs_possible and sizes else None)
+        self.graphs = graphs_for(backend, device, cuda_graph_sizes or [], max_num_seqs,
+                                 max_num_tokens, graph_query_lens)
         self.sampler = Sampler()
         # The newest sampled token of each input-batch row, kept on the device for a next
         # step scheduled before the host has seen it.

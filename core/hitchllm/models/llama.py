@@ -178,7 +178,23 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
         self.mlp = make_mlp(config, layer_index, quant_config, f"{prefix}.mlp")
 
 
-class LlamaModel(nn.Module):
+class PreNormDecoder(nn.Module):
+    """Embedding, a stack of ``PreNormDecoderLayer`` s and a final norm that also adds the
+    last layer's output to the residual stream; a subclass builds ``embed_tokens``,
+    ``layers`` and ``norm``. Shared by the core's models and plugins' (DeepSeek)."""
+
+    embed_tokens: nn.Module
+    layers: nn.ModuleList
+    norm: RMSNorm
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        return self.norm.add_and_norm(hidden, residual)[0]
+
+
+class LlamaModel(PreNormDecoder):
     def __init__(
         self, config: ModelConfig, quant_config: QuantizationMethod | None, prefix: str,
         make_mlp: MLPFactory = dense_mlp,
@@ -199,12 +215,6 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
-        return self.norm.add_and_norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -32,7 +32,7 @@ from hitchllm.layers import (
     load_named_weights,
 )
 from hitchllm.layers.loading import Route, Stacking
-from hitchllm.models.llama import PreNormDecoderLayer
+from hitchllm.models.llama import PreNormDecoder, PreNormDecoderLayer
 from hitchllm.models.norm import RMSNorm
 from hitchllm_attention_mla.deepseek_moe import DeepseekMLP, DeepseekMoE
 from hitchllm_attention_mla.layer import MLAAttention, MLADims
@@ -118,7 +118,7 @@ class DeepseekDecoderLayer(PreNormDecoderLayer):
                                      config.hidden_act, quant_config, f"{prefix}.mlp"))
 
 
-class DeepseekModel(nn.Module):
+class DeepseekModel(PreNormDecoder):
     def __init__(self, config: ModelConfig, quant_config: QuantizationMethod | None,
                  prefix: str) -> None:
         super().__init__()
@@ -134,12 +134,6 @@ class DeepseekModel(nn.Module):
             DeepseekDecoderLayer(config, i, rotary, quant_config, f"{prefix}.layers.{i}")
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
-        return self.norm.add_and_norm(hidden, residual)[0]
 
 
 class DeepseekForCausalLM(nn.Module):

@@ -25,11 +25,10 @@ from hitchllm.attention import (
     Attention,
     AttentionBackend,
     AttentionSpec,
-    CudaGraphSupport,
     KVCacheSpec,
     set_forward_context,
 )
-from hitchllm.engine.cuda_graphs import DecodeGraphs
+from hitchllm.engine.cuda_graphs import graphs_for
 from hitchllm.engine.step_buffers import StepBuffers
 
 
@@ -56,12 +55,9 @@ class DraftRunner:
         self.kv_cache_specs: list[KVCacheSpec] = [
             layer.get_kv_cache_spec(spec.block_size, spec.kv_cache_dtype) for layer in self.layers
         ]
-        graphs_possible = device.type == "cuda" and backend.cuda_graph_support in (
-            CudaGraphSupport.UNIFORM_DECODE, CudaGraphSupport.UNIFORM_BATCH)
-        sizes = [s for s in graph_sizes if s <= min(max_num_seqs, max_num_tokens)]
-        self.graphs = DecodeGraphs(sizes) if graphs_possible and sizes else None
-        self.chains = (DecodeGraphs(sizes) if self.graphs is not None
-                       and backend.reads_batch_on_device else None)
+        self.graphs = graphs_for(backend, device, graph_sizes, max_num_seqs, max_num_tokens)
+        self.chains = (graphs_for(backend, device, graph_sizes, max_num_seqs, max_num_tokens)
+                       if backend.reads_batch_on_device else None)
         self.chain_drafts = 0
         # Which rows of a chain batch are requests (the others are padding: never written).
         self._real_rows = torch.zeros(max_num_seqs, dtype=torch.bool, device=device)
