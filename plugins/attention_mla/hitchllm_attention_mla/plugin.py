@@ -7,15 +7,18 @@ from torch import nn
 from hitchllm import hookimpl
 from hitchllm.attention import AttentionBackend
 from hitchllm_attention_mla.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from hitchllm_attention_mla.flashinfer_mla import FlashInferMLABackend
 from hitchllm_attention_mla.torch_mla import TorchMLABackend
 from hitchllm_attention_mla.triton_mla import TritonMLABackend
 
 
 @hookimpl
 def hitchllm_attention_backends() -> list[type[AttentionBackend]]:
-    """``TRITON_MLA``: the Triton paged decode kernel (NVIDIA GPUs); ``TORCH_MLA``: the
-    reference MLA backend (any device)."""
-    return [TritonMLABackend, TorchMLABackend]
+    """``TRITON_MLA``: the Triton paged decode kernel (NVIDIA GPUs); ``FLASHINFER_MLA``:
+    FlashInfer's paged MLA kernel (the ``flashinfer`` extra; importing the backend does not
+    import flashinfer, its ``validate`` says when it is missing); ``TORCH_MLA``: the reference
+    MLA backend (any device). Auto mode's order is ``ranking.MLA_BACKEND_PRIORITY``."""
+    return [TritonMLABackend, FlashInferMLABackend, TorchMLABackend]
 
 
 @hookimpl

@@ -31,6 +31,7 @@ from hitchllm.attention.torch_backend import (
     TorchAttentionMetadataBuilder,
 )
 from hitchllm_attention_mla.layer import MLAAttentionImpl
+from hitchllm_attention_mla.ranking import MLA_BACKEND_PRIORITY
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -125,8 +126,7 @@ class TorchMLABackend(AttentionBackend):
     """Pure-PyTorch MLA; the MLA backend on machines without an accelerated one."""
 
     name: ClassVar[str] = "TORCH_MLA"
-    # Above TORCH (0), which refuses MLA anyway; below any accelerated MLA backend.
-    priority: ClassVar[int] = 10
+    priority: ClassVar[int] = MLA_BACKEND_PRIORITY["TORCH_MLA"]
 
     @classmethod
     def validate(cls, spec: AttentionSpec) -> list[str]:

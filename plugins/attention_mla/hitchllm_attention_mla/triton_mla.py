@@ -38,6 +38,7 @@ from hitchllm.attention.torch_backend import (
     TorchAttentionMetadataBuilder,
 )
 from hitchllm.attention.triton_support import triton_device_reasons
+from hitchllm_attention_mla.ranking import MLA_BACKEND_PRIORITY
 from hitchllm_attention_mla.torch_mla import TorchMLABackend, TorchMLAImpl, mla_reasons
 
 #: Tokens one program reads per iteration, heads it serves, and the fewest programs a step
@@ -173,7 +174,7 @@ class TritonMLABackend(TorchMLABackend):
     interpreter for tests."""
 
     name: ClassVar[str] = "TRITON_MLA"
-    priority: ClassVar[int] = 110
+    priority: ClassVar[int] = MLA_BACKEND_PRIORITY["TRITON_MLA"]
     cuda_graph_support: ClassVar[CudaGraphSupport] = CudaGraphSupport.UNIFORM_DECODE
 
     @classmethod
