@@ -10,11 +10,15 @@
 # With "deepseek" (issue 18): a DeepSeek-V2-Lite-shaped model with random weights
 # (benchmarks/configs/deepseek-v2-lite.json, MLA + MoE, about 31 GB in bf16, built on the GPU
 # into $DS_MODEL, default /tmp/deepseek-v2-lite; needs the attention_mla plugin): the same
-# workload, then its first 64 prompts against Hugging Face generate in the same run.
-#   bash benchmarks/throughput_gpu.sh [backends|fp8|deepseek]   # after installing core + plugins
+# workload, then its first 64 prompts against Hugging Face generate in the same run. With
+# "deepseek-backends": that model with the auto choice, then each accelerated MLA backend
+# forced (fastest of two runs each): the measurement that sets auto mode's MLA order
+# (plugins/attention_mla/hitchllm_attention_mla/ranking.py; FLASHINFER_MLA needs the plugin's
+# flashinfer extra).
+#   bash benchmarks/throughput_gpu.sh [backends|fp8|deepseek|deepseek-backends]
 set -euo pipefail
 results="${RESULTS:-benchmarks/RESULTS.md}"
-if [ "${1:-}" = deepseek ]; then
+if [ "${1:-}" = deepseek ] || [ "${1:-}" = deepseek-backends ]; then
     model="${DS_MODEL:-/tmp/deepseek-v2-lite}"
     config=benchmarks/configs/deepseek-v2-lite.json
 else
@@ -38,6 +42,13 @@ if [ "${1:-}" = deepseek ]; then  # issue 18, point 4: MLA (auto: TRITON_MLA) + 
     bench --label "DeepSeek-V2-Lite shape, auto backend choice (TRITON_MLA)"
     bench --hf-num-prompts 64 --compare-hf --hf-batch-size 64 \
         --label "DeepSeek-V2-Lite shape, first 64 prompts, vs Hugging Face generate"
+    exit 0
+fi
+if [ "${1:-}" = deepseek-backends ]; then  # issue 18, point 2: rank the MLA backends
+    bench --repeat 2 --label "DeepSeek-V2-Lite shape, auto backend choice"
+    for name in TRITON_MLA FLASHINFER_MLA; do
+        bench --repeat 2 --attention-backend "$name" --label "DeepSeek-V2-Lite shape, $name forced"
+    done
     exit 0
 fi
 if [ "${1:-}" = backends ]; then

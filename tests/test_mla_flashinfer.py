@@ -179,10 +179,11 @@ class Step:
     """One step over a paged latent cache with shuffled blocks: ``requests`` as (cached, new)
     token counts, each request's cached latents written, the new ones and the queries drawn."""
 
-    def __init__(self, requests, dims=DIMS, block=4, num_blocks=24, dtype=torch.float32,
-                 device="cpu", padding=0, seed=0):
+    def __init__(self, requests, dims=DIMS, block=4, dtype=torch.float32, device="cpu",
+                 padding=0, seed=0):
         gen = torch.Generator().manual_seed(seed)
         cols = max(-(-(c + n) // block) for c, n in requests)
+        num_blocks = len(requests) * cols + 4
         self.cache = torch.zeros(TorchMLABackend.get_kv_cache_shape(
             num_blocks, block, 1, dims.latent_width), dtype=dtype, device=device)
         perm = torch.randperm(num_blocks, generator=gen)[: len(requests) * cols]
@@ -259,22 +260,29 @@ def test_empty_steps_plan_nothing_and_graph_batches_are_refused(installed):
 # ---- CPU: the impl through the stand-in, against TORCH_MLA ---------------------------------
 
 
-def make_impls(dims, dtype, device, scale=0.3, seed=0):
-    """A FLASHINFER_MLA and a TORCH_MLA impl of one MLA layer (sharing its kv_b_proj), each
-    with its metadata builder."""
-    torch.manual_seed(seed)
-    kv_b_proj = ColumnParallelLinear(dims.kv_lora_rank, dims.num_heads * (
-        dims.qk_nope_head_dim + dims.v_head_dim)).to(device, dtype)
+def up_weight(dims, seed=0):
+    """A random ``kv_b_proj`` weight [heads * (qk_nope + v), kv_lora_rank]."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(dims.num_heads * (dims.qk_nope_head_dim + dims.v_head_dim),
+                       dims.kv_lora_rank, generator=gen) * 0.05
+
+
+def make_impls(dims, weight, scale=0.3, block=4):
+    """A FLASHINFER_MLA and a TORCH_MLA impl of one MLA layer whose ``kv_b_proj`` has
+    ``weight`` (its dtype and device are the layer's), each with its metadata builder for
+    blocks of ``block`` tokens."""
+    dtype, device = weight.dtype, weight.device
+    kv_b_proj = ColumnParallelLinear(dims.kv_lora_rank, weight.shape[0]).to(device, dtype)
     with torch.no_grad():
-        kv_b_proj.weight.normal_(0, 0.05)
+        kv_b_proj.weight.copy_(weight)
     impls = {}
     for backend in (FlashInferMLABackend, TorchMLABackend):
         spec = AttentionSpec.for_device(
-            torch.device(device), dtype=dtype, kv_cache_dtype=dtype, head_size=576,
-            num_heads=dims.num_heads, num_kv_heads=1, block_size=4, use_mla=True)
+            device, dtype=dtype, kv_cache_dtype=dtype, head_size=576,
+            num_heads=dims.num_heads, num_kv_heads=1, block_size=block, use_mla=True)
         impl = backend.get_impl_cls()(dims.num_heads, 576, scale, 1, spec)
         impl.attach(dims, kv_b_proj)
-        impls[backend.name] = (impl, backend.get_builder_cls()(spec, torch.device(device)))
+        impls[backend.name] = (impl, backend.get_builder_cls()(spec, device))
     return impls
 
 
@@ -290,7 +298,7 @@ def test_impl_equals_torch_mla_through_the_stand_in(installed, requests):
     """Absorbed query, the layer's scale folded into it (the plan's is 1), the latent views,
     W_UV after attention, padding rows (slot -1) zero and written to the spare block."""
     installed()
-    impls = make_impls(DIMS, torch.float32, "cpu")
+    impls = make_impls(DIMS, up_weight(DIMS))
     step = Step(requests, padding=2)
     got, got_cache = run_step(*impls["FLASHINFER_MLA"], step)
     want, want_cache = run_step(*impls["TORCH_MLA"], step)
@@ -343,20 +351,20 @@ GPU_STEPS = {
 def test_gpu_kernel_equals_torch_mla(heads, steps, block):
     """The real kernel, bf16, against TORCH_MLA on the same cache in float32."""
     dims = GPU_DIMS[heads]
-    requests = GPU_STEPS[steps]
-    blocks = sum(-(-(c + n) // block) for c, n in requests) + 4
-    step = Step(requests, dims=dims, block=block, num_blocks=blocks * 2, dtype=torch.bfloat16,
-                device="cuda", padding=3)
-    fi = make_impls(dims, torch.bfloat16, "cuda", scale=192**-0.5)
-    got, got_cache = run_step(*fi["FLASHINFER_MLA"], step)
-    ref = make_impls(dims, torch.float32, "cuda", scale=192**-0.5)
+    step = Step(GPU_STEPS[steps], dims=dims, block=block, dtype=torch.bfloat16, device="cuda",
+                padding=3)
+    weight = up_weight(dims).to("cuda", torch.bfloat16)
+    impls = make_impls(dims, weight, 192**-0.5, block)
+    got, got_cache = run_step(*impls["FLASHINFER_MLA"], step)
+    # The reference: the same (bf16-rounded) values, in float32.
     step.cache, step.query, step.new = step.cache.float(), step.query.float(), step.new.float()
-    want, _ = run_step(*ref["TORCH_MLA"], step)
+    impls = make_impls(dims, weight.float(), 192**-0.5, block)
+    want, want_cache = run_step(*impls["TORCH_MLA"], step)
     n = step.common.num_actual_tokens
     error = ((got[:n].float() - want[:n]).norm() / want[:n].norm()).item()
     assert error < 2e-2, error
     assert not got[n:].any()
-    torch.testing.assert_close(got_cache.float(), step.cache, rtol=0, atol=0)
+    torch.testing.assert_close(got_cache.float(), want_cache, rtol=0, atol=0)
 
 
 @pytest.mark.gpu
