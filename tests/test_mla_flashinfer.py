@@ -129,9 +129,9 @@ def test_validate_names_everything_it_cannot_serve(installed):
 def test_standard_layers_are_refused(installed):
     """With or without flashinfer, a model without MLA is named as the reason."""
     llama = mla_spec(head_size=128, use_mla=False)
-    if not FLASHINFER_INSTALLED:
-        without = FlashInferMLABackend.validate(llama)
-        assert any("multi-head latent attention" in r for r in without)
+    without = FlashInferMLABackend.validate(llama)
+    assert any("multi-head latent attention" in r for r in without)
+    assert any("flashinfer is not installed" in r for r in without)
     installed()
     [reason] = FlashInferMLABackend.validate(llama)
     assert "multi-head latent attention (DeepSeek-V2/V3) only" in reason
