@@ -26,6 +26,7 @@ from hitchllm.attention.torch_backend import TorchAttentionMetadata
 from hitchllm.layers import ColumnParallelLinear
 from hitchllm_attention_mla import MLAAttention
 from hitchllm_attention_mla.triton_mla import (
+    DEFAULT_TILES,
     TritonMLABackend,
     TritonMLADecodeMetadata,
     decode_splits,
@@ -203,7 +204,8 @@ def test_decode_step_reads_nothing_back_to_the_host(monkeypatch):
     monkeypatch.setattr(kernel_module, "mla_decode_partials", FakeKernel())
     with OpRecorder() as recorder:
         run_impl(impl, cache, batch, meta)
-    assert launches == [(4, 1, decode_splits(4, DIMS.num_heads, LENGTH_BOUND))]
+    head_blocks = -(-DIMS.num_heads // DEFAULT_TILES.block_h)
+    assert launches == [(head_blocks, decode_splits(4, DIMS.num_heads, LENGTH_BOUND), 4)]
     assert {"index_copy_", "bmm"} <= recorder.ops  # the recorder sees the impl's ops
     assert not recorder.ops & HOST_READS, recorder.ops & HOST_READS
 

@@ -15,7 +15,7 @@ pytest.importorskip("hitchllm_attention_mla")
 
 from hitchllm import LLM
 from hitchllm.attention import AttentionSpec
-from hitchllm_attention_mla.triton_mla import TritonMLABackend, mla_decode
+from hitchllm_attention_mla.triton_mla import MLADecodeTiles, TritonMLABackend, mla_decode
 
 
 def reference_decode(q, cache, block_table, seq_lens, scale, rank):
@@ -47,9 +47,23 @@ def test_decode_kernel_matches_float64(num_splits, dtype, heads):
     seq_lens = [1, 7, 33, 50]
     q, cache, table, lens = random_case(heads, 32, 8, seq_lens, 4, dtype, "cpu")
     out = mla_decode(q, cache, table, lens, 0.2, 32, max(seq_lens), num_splits=num_splits)
+    assert out.dtype == dtype
     expected = reference_decode(q, cache, table, lens, 0.2, 32)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
+
+
+# Larger head blocks and the output columns split over programs (each recomputing the scores).
+@pytest.mark.parametrize("tiles", [MLADecodeTiles(block_h=32, block_n=32, block_o=16),
+                                   MLADecodeTiles(block_h=16, block_n=16, block_o=32)])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_decode_kernel_tiles_match_float64(tiles, num_splits):
+    seq_lens = [0, 9, 40]
+    q, cache, table, lens = random_case(20, 32, 8, seq_lens, 4, torch.float32, "cpu")
+    out = mla_decode(q, cache, table, lens, 0.2, 32, max(seq_lens), num_splits=num_splits,
+                     tiles=tiles)
+    expected = reference_decode(q, cache, table, lens, 0.2, 32)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_triton_mla_refuses_cpu_without_the_interpreter(monkeypatch):

@@ -139,6 +139,18 @@ def test_plugin_installs_the_kernel_only_where_asked(monkeypatch):
         hitchllm_model_loaded(model=moe_model(), engine_config=None)
 
 
+@pytest.mark.gpu
+def test_plugin_installs_the_kernel_by_default_on_a_gpu(monkeypatch):
+    monkeypatch.delenv(MOE_KERNEL_ENV, raising=False)
+    model = moe_model().cuda()
+    hitchllm_model_loaded(model=model, engine_config=None)
+    assert type(model[0].moe_method) is TritonMoEMethod
+    monkeypatch.setenv(MOE_KERNEL_ENV, "torch")
+    model = moe_model().cuda()
+    hitchllm_model_loaded(model=model, engine_config=None)
+    assert type(model[0].moe_method) is UnquantizedMoEMethod
+
+
 def test_plugin_leaves_a_quantized_moe_method_alone(monkeypatch):
     class OtherMethod(UnquantizedMoEMethod):
         pass

@@ -19,7 +19,10 @@ The cache layout is TORCH_MLA's: ``[num_blocks + 1, block_size, kv_lora_rank + r
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib.util
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -41,13 +44,46 @@ from hitchllm.attention.triton_support import triton_device_reasons
 from hitchllm_attention_mla.ranking import MLA_BACKEND_PRIORITY
 from hitchllm_attention_mla.torch_mla import TorchMLABackend, TorchMLAImpl, mla_reasons
 
-#: Tokens one program reads per iteration, heads it serves, and the fewest programs a step
-#: should launch before long contexts are split further. 16 heads per program: its output
-#: block (16 x kv_lora_rank float32, 32 KiB at V3's 512) stays in registers; the other head
-#: blocks re-read the same latents, mostly from L2.
-BLOCK_N = 16
-BLOCK_H = 16
-TARGET_PROGRAMS = 128
+
+@dataclass(frozen=True)
+class MLADecodeTiles:
+    """How the decode kernel tiles the work: heads per program (``block_h``), tokens per
+    iteration (``block_n``), latent-output columns per program (``block_o``; the programs of
+    one head block split the output, each recomputing the scores), Triton's warps and
+    pipeline stages, and the programs a step should launch before long contexts are split
+    further (``target_programs``)."""
+
+    block_h: int = 16
+    block_n: int = 16
+    block_o: int = 512
+    num_warps: int = 4
+    num_stages: int = 2
+    target_programs: int = 128
+
+
+#: Tiles for Triton's CPU interpreter (tests): small blocks run fastest there.
+DEFAULT_TILES = MLADecodeTiles()
+
+#: Tiles for GPUs with at least 200 KiB of shared memory per block (H100: 227 KiB), the best
+#: of a sweep at DeepSeek-V3 dims on an H100 (64 x 2048 and 1 x 32k, pages of 64): 64 heads
+#: per program (the query block, 64 x 576, sits in shared memory beside one 64-token latent
+#: tile), the whole 512-wide output per program, no pipelining (two stages do not fit).
+LARGE_SMEM_TILES = MLADecodeTiles(block_h=64, block_n=64, block_o=512, num_warps=8,
+                                  num_stages=1)
+#: Other GPUs (A100: 163 KiB): a 16-head query block.
+SMALL_SMEM_TILES = MLADecodeTiles(block_h=16, block_n=32, block_o=512, num_warps=4,
+                                  num_stages=2)
+
+
+@functools.cache
+def tiles_for(device: torch.device) -> MLADecodeTiles:
+    """The decode tiles for ``device``; on a GPU one program per SM before splitting."""
+    if device.type != "cuda":
+        return DEFAULT_TILES
+    props = torch.cuda.get_device_properties(device)
+    smem = getattr(props, "shared_memory_per_block_optin", 0)
+    tiles = LARGE_SMEM_TILES if smem >= 200 * 1024 else SMALL_SMEM_TILES
+    return dataclasses.replace(tiles, target_programs=props.multi_processor_count)
 
 
 def _next_pow2(n: int) -> int:
@@ -56,46 +92,58 @@ def _next_pow2(n: int) -> int:
 
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                seq_lens: torch.Tensor, scale: float, kv_lora_rank: int, max_seq_len: int,
-               num_splits: int | None = None) -> torch.Tensor:
+               num_splits: int | None = None, tiles: MLADecodeTiles | None = None
+               ) -> torch.Tensor:
     """Absorbed MLA decode: ``q`` [N, heads, latent] (``W_UK``-absorbed no-rope part, then
     the rope part) of N one-token requests over their ``seq_lens`` cached latents
     (``kv_cache`` [blocks, block_size, latent], ``block_table`` [N, cols]). Returns the
-    latent-space output [N, heads, kv_lora_rank] in float32: ``softmax(scale * q . latent)``
-    weighted sum of the latents' first ``kv_lora_rank`` values; zeros for a request with an
-    empty context (a padding row of a CUDA-graph batch). ``max_seq_len`` (an upper bound
-    will do) and N choose the number of splits; the kernel cuts each context itself."""
+    latent-space output [N, heads, kv_lora_rank] in ``q``'s dtype: ``softmax(scale * q .
+    latent)`` weighted sum of the latents' first ``kv_lora_rank`` values; zeros for a request
+    with an empty context (a padding row of a CUDA-graph batch). ``max_seq_len`` (an upper
+    bound will do) and N choose the number of splits; the kernel cuts each context itself.
+    ``tiles`` defaults to ``tiles_for(q.device)``."""
     from hitchllm_attention_mla.triton_mla_kernel import mla_decode_partials
 
+    tiles = tiles or tiles_for(q.device)
+
     n, heads, width = q.shape
-    head_blocks = -(-heads // BLOCK_H)
+    block_l = _next_pow2(kv_lora_rank)
+    block_o = min(tiles.block_o, block_l)
+    head_blocks = -(-heads // tiles.block_h)
     if num_splits is None:
-        num_splits = decode_splits(n, heads, max_seq_len)
-    acc = torch.empty(n, heads, num_splits, kv_lora_rank, dtype=torch.float32, device=q.device)
+        num_splits = decode_splits(n, heads, max_seq_len, tiles)
+    # One split: the kernel stores the normalized output in the model dtype, nothing to merge.
+    acc = torch.empty(n, heads, num_splits, kv_lora_rank, device=q.device,
+                      dtype=q.dtype if num_splits == 1 else torch.float32)
     stats = torch.empty(2, n, heads, num_splits, dtype=torch.float32, device=q.device)
-    mla_decode_partials[(n, head_blocks, num_splits)](
-        q, kv_cache, block_table, seq_lens, acc, stats, scale,
+    mla_decode_partials[(head_blocks * (block_l // block_o), num_splits, n)](
+        q, kv_cache, block_table, seq_lens, acc, stats, scale * math.log2(math.e),
         q.stride(0), q.stride(1), block_table.stride(0), acc.stride(0), acc.stride(1),
         acc.stride(2), stats.stride(0), stats.stride(1), stats.stride(2),
         heads, kv_lora_rank, width, kv_cache.shape[1],
-        BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_L=_next_pow2(kv_lora_rank),
-        BLOCK_R=_next_pow2(width - kv_lora_rank),
+        BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n, BLOCK_L=block_l,
+        BLOCK_R=_next_pow2(width - kv_lora_rank), BLOCK_O=block_o,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
+    if num_splits == 1:
+        return acc[:, :, 0]
     # Merge the splits: each partial is scaled to the common maximum (empty splits weigh 0).
     # An empty context has no finite maximum and a total of 0: the clamps make its output 0
     # (not NaN) and change nothing else (a non-empty context has a total of at least 1).
     m, lse = stats[0], stats[1]
     top = m.amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)
-    weights = torch.exp(m - top)  # [N, heads, splits]
+    weights = torch.exp2(m - top)  # [N, heads, splits]; maxima in log2 units
     total = (weights * lse).sum(-1, keepdim=True).clamp(min=1e-30)
-    return (weights[..., None] * acc).sum(2) / total
+    return ((weights[..., None] * acc).sum(2) / total).to(q.dtype)
 
 
-def decode_splits(num_reqs: int, heads: int, max_seq_len: int) -> int:
-    """Splits per request: enough programs for about ``TARGET_PROGRAMS`` per step, no more
-    than ``max_seq_len`` has tiles of ``BLOCK_N`` tokens. Host values only (batch shape and
-    the length bound), so a graph batch's launch is fixed by its padded size."""
-    programs = max(1, num_reqs * -(-heads // BLOCK_H))
-    return max(1, min(TARGET_PROGRAMS // programs, -(-max_seq_len // BLOCK_N)))
+def decode_splits(num_reqs: int, heads: int, max_seq_len: int,
+                  tiles: MLADecodeTiles = DEFAULT_TILES) -> int:
+    """Splits per request: enough programs for about ``tiles.target_programs`` per step, no
+    more than ``max_seq_len`` has tiles of ``block_n`` tokens. Host values only (batch shape
+    and the length bound), so a graph batch's launch is fixed by its padded size."""
+    programs = max(1, num_reqs * -(-heads // tiles.block_h))
+    return max(1, min(tiles.target_programs // programs, -(-max_seq_len // tiles.block_n)))
 
 
 @dataclass
@@ -166,7 +214,7 @@ class TritonMLAImpl(TorchMLAImpl):
         q = torch.cat((torch.einsum("thd,hdr->thr", q_nope, w_uk), q_pe), dim=-1).contiguous()
         o_lat = mla_decode(q, kv_cache, block_table, seq_lens, self.scale, d.kv_lora_rank,
                            max_seq_len)
-        return torch.einsum("thr,hvr->thv", o_lat.to(query.dtype), w_uv)
+        return torch.einsum("thr,hvr->thv", o_lat, w_uv)
 
 
 class TritonMLABackend(TorchMLABackend):

@@ -12,29 +12,38 @@ def mla_decode_partials(
     cache_ptr,  # [blocks, block_size, W], contiguous
     block_table_ptr,  # [N, cols] int32
     seq_lens_ptr,  # [N]
-    acc_ptr,  # [N, H, S, L] float32: each split's unnormalized latent output
-    stats_ptr,  # [2, N, H, S] float32: each split's running maximum, then its sum
-    scale,
+    acc_ptr,  # [N, H, S, L]: each split's latent output (normalized when S == 1)
+    stats_ptr,  # [2, N, H, S] float32: each split's running maximum (log2 units), its sum
+    scale,  # the softmax scale times log2(e): the kernel exponentiates with exp2
     stride_qt, stride_qh, stride_bt, stride_at, stride_ah, stride_as,
     stride_s0, stride_st, stride_sh,
     num_heads, kv_lora_rank, width, block_size,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_O: tl.constexpr,
 ):
-    """One program: request ``program_id(0)``, ``BLOCK_H`` heads, one split of its context.
-    Every latent row it reads serves all its heads (the MLA cache has one vector per token).
-    The request's context is cut into ``num_programs(2)`` equal splits (whole ``BLOCK_N``
-    tiles) from its length read on the device, so the launch depends on no host value but
-    the split count; a split past the context (or a padding request's empty context) stores
-    a running maximum of -inf and a sum of 0."""
-    req = tl.program_id(0)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    split = tl.program_id(2)
+    """One program: ``BLOCK_H`` heads and ``BLOCK_O`` of the latent output's columns of
+    request ``program_id(2)``, over one split (``program_id(1)``) of its context. Every latent
+    row it reads serves all its heads (the MLA cache has one vector per token); the programs
+    of the other head blocks and column chunks of the same split come next in launch order
+    (``program_id(0)``), so they find those rows in L2 rather than in memory.
+
+    Each context is cut into ``num_programs(1)`` equal splits (whole ``BLOCK_N`` tiles) from
+    its length read on the device, so the launch depends on no host value but the split count;
+    a split past the context (or a padding request's empty context) stores a running maximum
+    of -inf and a sum of 0. With one split the program stores the normalized output itself
+    (no merge follows)."""
+    CHUNKS: tl.constexpr = BLOCK_L // BLOCK_O
+    heads = (tl.program_id(0) // CHUNKS) * BLOCK_H + tl.arange(0, BLOCK_H)
+    chunk = tl.program_id(0) % CHUNKS
+    split = tl.program_id(1)
+    req = tl.program_id(2)
     head_ok = heads < num_heads
     offs_l = tl.arange(0, BLOCK_L)
     offs_r = tl.arange(0, BLOCK_R)
+    offs_o = chunk * BLOCK_O + tl.arange(0, BLOCK_O)
     l_ok = offs_l < kv_lora_rank
     r_ok = offs_r < width - kv_lora_rank
+    o_ok = offs_o < kv_lora_rank
 
     q_rows = q_ptr + req * stride_qt + heads[:, None] * stride_qh
     q_c = tl.load(q_rows + offs_l[None, :], mask=head_ok[:, None] & l_ok[None, :], other=0.0)
@@ -42,12 +51,12 @@ def mla_decode_partials(
                   other=0.0)
 
     seq_len = tl.load(seq_lens_ptr + req)
-    per_split = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(1)), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_L], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_O], dtype=tl.float32)
     for first in range(start, end, BLOCK_N):
         pos = first + tl.arange(0, BLOCK_N)
         pos_ok = pos < end
@@ -60,14 +69,23 @@ def mla_decode_partials(
         scores = tl.dot(q_c, tl.trans(c)) + tl.dot(q_r, tl.trans(r))
         scores = tl.where(pos_ok[None, :], scores * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
+        if CHUNKS == 1:
+            v = c
+        else:
+            v = tl.load(rows + offs_o[None, :], mask=pos_ok[:, None] & o_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
     out = acc_ptr + req * stride_at + heads[:, None] * stride_ah + split * stride_as
-    tl.store(out + offs_l[None, :], acc, mask=head_ok[:, None] & l_ok[None, :])
-    stats = stats_ptr + req * stride_st + heads * stride_sh + split
-    tl.store(stats, m_i, mask=head_ok)
-    tl.store(stats + stride_s0, l_i, mask=head_ok)
+    if tl.num_programs(1) == 1:
+        # An empty context (padding row) has l_i == 0 and acc == 0: store zeros, not NaN.
+        acc = acc / tl.maximum(l_i, 1e-30)[:, None]
+    tl.store(out + offs_o[None, :], acc.to(acc_ptr.dtype.element_ty),
+             mask=head_ok[:, None] & o_ok[None, :])
+    if chunk == 0:
+        stats = stats_ptr + req * stride_st + heads * stride_sh + split
+        tl.store(stats, m_i, mask=head_ok)
+        tl.store(stats + stride_s0, l_i, mask=head_ok)
