@@ -8,9 +8,11 @@ above the core TORCH backend's 0 all the same).
 
 The order is meant to follow measured speed on the GPU: decode bandwidth from
 ``benchmarks/mla_decode.py`` and end-to-end throughput from ``benchmarks/throughput_gpu.sh
-deepseek``. Until those numbers are recorded in ``benchmarks/RESULTS.md`` it is a guess:
-TRITON_MLA first because it captures decode steps into CUDA graphs and FLASHINFER_MLA does
-not yet, then FLASHINFER_MLA, then the TORCH_MLA reference. To change it, edit the table (a
+deepseek-backends``. Measured on an H100 (benchmarks/RESULTS.md, DeepSeek-V2-Lite shape,
+nano-vllm workload): TRITON_MLA 2813 output tok/s, FLASHINFER_MLA 1305. FlashInfer's decode
+kernel is 2.5-3x faster than ours, but TRITON_MLA replays decode steps from CUDA graphs and
+FLASHINFER_MLA runs them eagerly, which costs more; hence TRITON_MLA, FLASHINFER_MLA, then the
+TORCH_MLA reference. Revisit when FLASHINFER_MLA captures graphs. To change it, edit the table (a
 test checks that each backend reads its entry) and the table in the plugin README.
 """
 
