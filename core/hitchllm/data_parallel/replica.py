@@ -1,0 +1,190 @@
+"""One data-parallel replica: a process that runs a whole engine and serves the server's
+requests over a pipe.
+
+The engine steps in an ``AsyncLLMEngine`` thread, exactly as in a one-engine server; this
+process's asyncio loop turns pipe messages into ``generate`` calls (one task per request)
+and sends their outputs back, all the outputs of one engine step in one message. A request the
+server aborts is cancelled here, which aborts it in the engine. The replica keeps its own
+``ServerMetrics``; the server asks for their samples when ``/metrics`` is scraped. When the
+pipe closes (the server exited, even if it was killed) the replica shuts down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import threading
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+from hitchllm.data_parallel.messages import (
+    Abort,
+    Call,
+    Dead,
+    Deliveries,
+    Generate,
+    Ready,
+    Reply,
+    StartFailed,
+    WireError,
+)
+from hitchllm.data_parallel.metrics import snapshot
+from hitchllm.lora import LoRARequest
+
+if TYPE_CHECKING:
+    from hitchllm.config import EngineConfig
+    from hitchllm.engine.async_engine import AsyncLLMEngine
+    from hitchllm.entrypoints.openai.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ReplicaSpec:
+    """What a replica process is started with."""
+
+    index: int
+    config: EngineConfig
+    # The model name its metrics are labelled with, and max_loras when LoRA is on.
+    metrics_name: str
+    max_loras: int | None = None
+    # Adapters loaded before it reports ready (``--lora-modules``).
+    lora_modules: list[LoRARequest] = field(default_factory=list)
+
+
+def run_replica(spec: ReplicaSpec, conn: Connection) -> None:
+    """The replica process's entry point (its devices and threads are set by the
+    environment the server started it with)."""
+    # Ctrl-C reaches the whole process group; the server stops its replicas itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from hitchllm.engine.async_engine import AsyncLLMEngine
+    from hitchllm.engine.llm_engine import LLMEngine
+    from hitchllm.entrypoints.openai.metrics import ServerMetrics
+
+    try:
+        engine = LLMEngine(spec.config)
+        for lora in spec.lora_modules:
+            engine.add_lora(lora)
+    except BaseException as exc:  # the server reports it and stops the other replicas
+        logger.exception("data-parallel replica %d failed to start", spec.index)
+        conn.send(StartFailed(WireError.of(exc) if isinstance(exc, ValueError)
+                              else WireError("internal", f"{type(exc).__name__}: {exc}")))
+        return
+    metrics = ServerMetrics(spec.metrics_name, spec.max_loras)
+    server = _ReplicaServer(spec.index, conn, metrics)
+    async_engine = AsyncLLMEngine(engine, on_step=metrics.observe, on_dead=server.engine_died)
+    try:
+        conn.send(Ready(os.getpid(), engine.max_model_len, engine.list_loras()))
+        asyncio.run(server.serve(async_engine))
+    finally:
+        async_engine.shutdown()
+
+
+class _ReplicaServer:
+    """The replica's message loop."""
+
+    def __init__(self, index: int, conn: Connection, metrics: ServerMetrics) -> None:
+        self.index = index
+        self.conn = conn
+        self.metrics = metrics
+        self._send_lock = threading.Lock()
+        self._outbox: list[tuple[str, Any]] = []
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._calls: set[asyncio.Task[None]] = set()
+
+    def send(self, message: Any) -> None:
+        """Send from any thread; a closed pipe (the server is gone) is ignored, the reader
+        sees it too and ends the loop."""
+        try:
+            with self._send_lock:
+                self.conn.send(message)
+        except OSError:
+            pass
+
+    def engine_died(self, exc: BaseException) -> None:
+        """``AsyncLLMEngine``'s ``on_dead``, from the engine thread."""
+        self.send(Dead(f"its engine loop stopped after an unexpected {type(exc).__name__}"))
+
+    async def serve(self, engine: AsyncLLMEngine) -> None:
+        self.engine = engine
+        loop = asyncio.get_running_loop()
+        inbox: asyncio.Queue[Any] = asyncio.Queue()
+
+        def read() -> None:
+            while True:
+                try:
+                    message = self.conn.recv()
+                except (EOFError, OSError):
+                    message = None
+                loop.call_soon_threadsafe(inbox.put_nowait, message)
+                if message is None:
+                    return
+
+        threading.Thread(target=read, name="hitchllm-dp-reader", daemon=True).start()
+        try:
+            while (message := await inbox.get()) is not None:
+                self._dispatch(message)
+        finally:
+            for task in self._tasks.values():
+                task.cancel()
+            await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+
+    def _dispatch(self, message: Any) -> None:
+        if isinstance(message, Generate):
+            task = asyncio.create_task(self._generate(message))
+            self._tasks[message.request_id] = task
+        elif isinstance(message, Abort):
+            # Cancelling the task aborts the request in the engine (or before it got there).
+            task = self._tasks.get(message.request_id)
+            if task is not None:
+                task.cancel()
+        elif isinstance(message, Call):
+            task = asyncio.create_task(self._call(message))
+            self._calls.add(task)  # the loop keeps only a weak reference
+            task.add_done_callback(self._calls.discard)
+        else:
+            logger.error("replica %d: unknown message %r", self.index, type(message).__name__)
+
+    async def _generate(self, msg: Generate) -> None:
+        try:
+            async for out in self.engine.generate(msg.prompt, msg.params, msg.request_id,
+                                                  **msg.kwargs):
+                self._deliver(msg.request_id, out)
+        except asyncio.CancelledError:
+            pass  # aborted by the server, which no longer listens
+        except Exception as exc:
+            error = WireError.of(exc)
+            if error.kind == "internal":
+                logger.error("request %s failed", msg.request_id, exc_info=exc)
+            self._deliver(msg.request_id, error)
+        finally:
+            self._tasks.pop(msg.request_id, None)
+
+    def _deliver(self, request_id: str, item: Any) -> None:
+        """Queue an output or error; everything queued in one loop iteration (one engine
+        step's outputs arrive together) goes in one message."""
+        if not self._outbox:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._outbox.append((request_id, item))
+
+    def _flush(self) -> None:
+        items, self._outbox = self._outbox, []
+        self.send(Deliveries(items))
+
+    async def _call(self, call: Call) -> None:
+        try:
+            if call.method == "metrics":
+                value: Any = snapshot(self.metrics.registry)
+            elif call.method == "add_lora":
+                value = await asyncio.to_thread(self.engine.add_lora, *call.args)
+            elif call.method == "remove_lora":
+                value = await asyncio.to_thread(self.engine.remove_lora, *call.args)
+            else:
+                raise ValueError(f"unknown call {call.method!r}")
+        except Exception as exc:
+            self.send(Reply(call.call_id, error=WireError.of(exc)))
+        else:
+            self.send(Reply(call.call_id, value))
