@@ -108,3 +108,15 @@ def test_each_replica_gets_its_own_gpus_or_its_share_of_cores(monkeypatch):
     assert replica_environments(cpu, 16) == [{"OMP_NUM_THREADS": "1"}] * 16
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice stands
     assert replica_environments(cpu, 2) == [{}, {}]
+
+
+def test_the_command_line_takes_the_replica_count_only_for_serve(capsys, llama_path):
+    from hitchllm.entrypoints import cli
+
+    assert cli.main(["serve", llama_path, "-dp", "0"]) == 2
+    assert "--data-parallel-size must be at least 1, got 0" in capsys.readouterr().err
+    assert cli.main(["generate", "--model", llama_path, "--data-parallel-size", "2",
+                     "--prompt", "x"]) == 2
+    assert "hitchllm serve --data-parallel-size N" in capsys.readouterr().err
+    args = cli.build_parser().parse_args(["serve", "--data-parallel-size", "3"])
+    assert args.data_parallel_size == 3

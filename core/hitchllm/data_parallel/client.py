@@ -30,6 +30,7 @@ from typing import Any
 
 from hitchllm.config import EngineConfig
 from hitchllm.data_parallel.balancer import BalancerPolicy, LoadBalancer, NoLiveReplicaError
+from hitchllm.data_parallel.deltas import OutputDecoder, OutputDelta
 from hitchllm.data_parallel.messages import (
     Abort,
     Call,
@@ -80,6 +81,7 @@ class _Replica:
         self.calls: dict[int, concurrent.futures.Future[Any]] = {}
         self.dead_reason: str | None = None
         self.last_metrics: list[Family] = []
+        self.decoder = OutputDecoder()  # used by the reader thread only
         self._send_lock = threading.Lock()
 
     def send(self, message: Any) -> bool:
@@ -279,10 +281,10 @@ class DataParallelEngine:
         replica = self._where.get(request_id)
         if replica is None:
             return
-        replica.send(Abort(request_id))
         stream = replica.streams.get(request_id)
-        if stream is not None:
+        if stream is not None:  # queued before the replica's answer to the abort can be
             stream.put(_ABORTED)
+        replica.send(Abort(request_id))
 
     def add_lora(self, lora_request: LoRARequest) -> LoRARequest:
         """Load the adapter on every replica (blocking); if one refuses it, the others
@@ -343,10 +345,7 @@ class DataParallelEngine:
                 break
             if isinstance(message, Deliveries):
                 for request_id, item in message.items:
-                    stream = replica.streams.get(request_id)
-                    if stream is not None:
-                        stream.put(_as_exception(item, replica.index)
-                                   if isinstance(item, WireError) else item)
+                    self._deliver(replica, request_id, item)
             elif isinstance(message, Reply):
                 future = replica.calls.pop(message.call_id, None)
                 if future is not None:
@@ -361,6 +360,20 @@ class DataParallelEngine:
             self._replica_stopped(replica, dead_reason or
                                   f"its process (pid {replica.process.pid}) exited with code "
                                   f"{replica.process.exitcode}")
+
+    def _deliver(self, replica: _Replica, request_id: str,
+                 item: OutputDelta | WireError | None) -> None:
+        """Hand one delivery to the request's stream (if anyone still listens)."""
+        if isinstance(item, OutputDelta):
+            out: Any = replica.decoder.decode(item)
+        else:
+            replica.decoder.forget(request_id)
+            out = (_as_exception(item, replica.index) if item is not None else
+                   RequestFailedError(f"data-parallel replica {replica.index} ended the "
+                                      "request"))
+        stream = replica.streams.get(request_id)
+        if stream is not None:
+            stream.put(out)
 
     def _replica_stopped(self, replica: _Replica, reason: str) -> None:
         replica.dead_reason = f"data-parallel replica {replica.index} stopped: {reason}"

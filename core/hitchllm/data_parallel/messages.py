@@ -1,8 +1,8 @@
 """What the server and a replica process send each other over their pipe (pickled).
 
 Server -> replica: ``Generate``, ``Abort``, ``Call``, and ``None`` to shut down.
-Replica -> server: ``Ready`` or ``StartFailed`` once, then ``Deliveries`` (request outputs
-and per-request errors, all those of one engine step in one message), ``Reply`` to each
+Replica -> server: ``Ready`` or ``StartFailed`` once, then ``Deliveries`` (request outputs as
+deltas and per-request errors, all those of one engine step in one message), ``Reply`` to each
 ``Call``, and ``Dead`` if its engine loop stops.
 
 Errors cross as ``WireError`` (a kind and a message), not as pickled exceptions, which may
@@ -76,7 +76,8 @@ class StartFailed:
 
 @dataclass
 class Deliveries:
-    """``(request_id, RequestOutput or WireError)`` in the order they happened."""
+    """``(request_id, OutputDelta, WireError or None)`` in the order they happened; None
+    ends a request the server aborted."""
 
     items: list[tuple[str, Any]]
 

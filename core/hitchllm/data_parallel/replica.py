@@ -3,7 +3,8 @@ requests over a pipe.
 
 The engine steps in an ``AsyncLLMEngine`` thread, exactly as in a one-engine server; this
 process's asyncio loop turns pipe messages into ``generate`` calls (one task per request)
-and sends their outputs back, all the outputs of one engine step in one message. A request the
+and sends their outputs back as deltas (``deltas.py``), all the outputs of one engine step in
+one message. A request the
 server aborts is cancelled here, which aborts it in the engine. The replica keeps its own
 ``ServerMetrics``; the server asks for their samples when ``/metrics`` is scraped. When the
 pipe closes (the server exited, even if it was killed) the replica shuts down.
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
+from hitchllm.data_parallel.deltas import OutputEncoder
 from hitchllm.data_parallel.messages import (
     Abort,
     Call,
@@ -94,6 +96,7 @@ class _ReplicaServer:
         self._outbox: list[tuple[str, Any]] = []
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._calls: set[asyncio.Task[None]] = set()
+        self.encoder = OutputEncoder()
 
     def send(self, message: Any) -> None:
         """Send from any thread; a closed pipe (the server is gone) is ignored, the reader
@@ -149,19 +152,28 @@ class _ReplicaServer:
             logger.error("replica %d: unknown message %r", self.index, type(message).__name__)
 
     async def _generate(self, msg: Generate) -> None:
+        """Run one request; its last delivery is its finished output, an error, or (when the
+        server aborted it) None, so that the server's decoder forgets it in every case."""
+        rid = msg.request_id
+        ended = False
         try:
-            async for out in self.engine.generate(msg.prompt, msg.params, msg.request_id,
-                                                  **msg.kwargs):
-                self._deliver(msg.request_id, out)
+            async for out in self.engine.generate(msg.prompt, msg.params, rid, **msg.kwargs):
+                self._deliver(rid, self.encoder.encode(out))
+                ended = out.finished
         except asyncio.CancelledError:
             pass  # aborted by the server, which no longer listens
         except Exception as exc:
             error = WireError.of(exc)
             if error.kind == "internal":
-                logger.error("request %s failed", msg.request_id, exc_info=exc)
-            self._deliver(msg.request_id, error)
+                logger.error("request %s failed", rid, exc_info=exc)
+            self.encoder.forget(rid)
+            self._deliver(rid, error)
+            ended = True
         finally:
-            self._tasks.pop(msg.request_id, None)
+            self._tasks.pop(rid, None)
+            if not ended:
+                self.encoder.forget(rid)
+                self._deliver(rid, None)
 
     def _deliver(self, request_id: str, item: Any) -> None:
         """Queue an output or error; everything queued in one loop iteration (one engine

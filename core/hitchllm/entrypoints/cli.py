@@ -102,8 +102,7 @@ SERVE_FLAGS = ("data_parallel_size",)
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The ``EngineConfig`` fields given on the command line (unset ones left out)."""
-    return {n: getattr(args, n) for n in ENGINE_FLAGS
-            if n not in SERVE_FLAGS and getattr(args, n, None) is not None}
+    return {n: getattr(args, n) for n in ENGINE_FLAGS if getattr(args, n) is not None}
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -259,8 +258,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from hitchllm.entrypoints.openai.server import ServerLimits
 
     model, names = served_model(args)
+    kwargs = {k: v for k, v in engine_kwargs(args).items() if k not in SERVE_FLAGS}
     serve(
-        EngineConfig(model=model, **engine_kwargs(args)),
+        EngineConfig(model=model, **kwargs),
         host=args.host, port=args.port, served_model_name=names,
         api_key=args.api_key, chat_template=args.chat_template,
         limits=ServerLimits(max_n=args.max_n, max_request_bytes=args.max_request_bytes),
