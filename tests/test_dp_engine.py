@@ -120,3 +120,29 @@ def test_the_command_line_takes_the_replica_count_only_for_serve(capsys, llama_p
     assert "hitchllm serve --data-parallel-size N" in capsys.readouterr().err
     args = cli.build_parser().parse_args(["serve", "--data-parallel-size", "3"])
     assert args.data_parallel_size == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_replicas_on_two_gpus_answer_like_one_engine(llama_path):
+    from hitchllm import LLM
+
+    kwargs = {"device": "cuda", "block_size": 16, "max_model_len": 256}
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [i, i + 1, i + 2]} for i in range(1, 5)]
+    engine = DataParallelEngine(EngineConfig(model=llama_path, **kwargs), 2, "tiny")
+    try:
+        gpus = [r.gpus for r in engine.ready]
+        assert [len(g) for g in gpus] == [1, 1] and gpus[0] != gpus[1]  # a GPU each
+
+        async def run(prompt):
+            return [out async for out in engine.generate(prompt, params)][-1]
+
+        got = [asyncio.run(asyncio.wait_for(run(p), 300)).outputs[0].token_ids
+               for p in prompts]
+        assert engine.balancer.routed == [2, 2]
+    finally:
+        engine.shutdown()
+    llm = LLM(llama_path, **kwargs)
+    assert got == [o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                 use_tqdm=False)]

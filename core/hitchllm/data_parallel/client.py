@@ -202,8 +202,10 @@ class DataParallelEngine:
                              name=f"hitchllm-dp-{replica.index}").start()
         self.metrics = DataParallelMetrics(metrics_name, num_replicas, self._metrics_snapshots,
                                            self._balancer_state)
-        logger.info("data parallelism: %d replicas, pids %s", num_replicas,
-                    ", ".join(str(r.pid) for r in ready))
+        self.ready = ready
+        for i, r in enumerate(ready):
+            logger.info("data-parallel replica %d: pid %d, %s%s", i, r.pid, r.device,
+                        f" (GPUs {', '.join(r.gpus)})" if r.gpus else "")
 
     def _start(self, num_replicas: int, spec: ReplicaSpec) -> None:
         """Start every replica process (they load their models at the same time). Replicas

@@ -44,6 +44,9 @@ class Ready:
     pid: int
     max_model_len: int
     loras: list[LoRARequest]
+    # The replica's device, and on CUDA the UUIDs of the GPUs it sees.
+    device: str = "cpu"
+    gpus: list[str] = field(default_factory=list)
 
 
 @dataclass

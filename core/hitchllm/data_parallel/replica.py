@@ -79,7 +79,8 @@ def run_replica(spec: ReplicaSpec, conn: Connection) -> None:
     server = _ReplicaServer(spec.index, conn, metrics)
     async_engine = AsyncLLMEngine(engine, on_step=metrics.observe, on_dead=server.engine_died)
     try:
-        conn.send(Ready(os.getpid(), engine.max_model_len, engine.list_loras()))
+        conn.send(Ready(os.getpid(), engine.max_model_len, engine.list_loras(),
+                        str(engine.device), _gpu_uuids(engine.device)))
         asyncio.run(server.serve(async_engine))
     finally:
         async_engine.shutdown()
@@ -200,3 +201,13 @@ class _ReplicaServer:
             self.send(Reply(call.call_id, error=WireError.of(exc)))
         else:
             self.send(Reply(call.call_id, value))
+
+
+def _gpu_uuids(device: Any) -> list[str]:
+    """The UUIDs of the GPUs this process sees (none off CUDA)."""
+    if device.type != "cuda":
+        return []
+    import torch
+
+    return [str(torch.cuda.get_device_properties(i).uuid)
+            for i in range(torch.cuda.device_count())]
