@@ -184,6 +184,7 @@ class DataParallelEngine:
         self._ids = itertools.count()
         self._call_ids = itertools.count()
         self._where: dict[str, _Replica] = {}
+        self._loras_lock = threading.Lock()
         self._closed = False
         atexit.register(self.shutdown)
         try:
@@ -196,7 +197,6 @@ class DataParallelEngine:
             raise
         self.max_model_len = ready[0].max_model_len
         self._loras = {lora.lora_name: lora for lora in ready[0].loras}
-        self._loras_lock = threading.Lock()
         for replica in self.replicas:
             threading.Thread(target=self._read, args=(replica,), daemon=True,
                              name=f"hitchllm-dp-{replica.index}").start()
@@ -346,8 +346,7 @@ class DataParallelEngine:
             except (EOFError, OSError):
                 break
             if isinstance(message, Deliveries):
-                for request_id, item in message.items:
-                    self._deliver(replica, request_id, item)
+                self._deliver(replica, message.items)
             elif isinstance(message, Reply):
                 future = replica.calls.pop(message.call_id, None)
                 if future is not None:
@@ -363,19 +362,24 @@ class DataParallelEngine:
                                   f"its process (pid {replica.process.pid}) exited with code "
                                   f"{replica.process.exitcode}")
 
-    def _deliver(self, replica: _Replica, request_id: str,
-                 item: OutputDelta | WireError | None) -> None:
-        """Hand one delivery to the request's stream (if anyone still listens)."""
-        if isinstance(item, OutputDelta):
-            out: Any = replica.decoder.decode(item)
-        else:
-            replica.decoder.forget(request_id)
-            out = (_as_exception(item, replica.index) if item is not None else
-                   RequestFailedError(f"data-parallel replica {replica.index} ended the "
-                                      "request"))
-        stream = replica.streams.get(request_id)
-        if stream is not None:
-            stream.put(out)
+    def _deliver(self, replica: _Replica,
+                 items: list[tuple[str, OutputDelta | WireError | None]]) -> None:
+        """Decode one message's deliveries and hand them to their requests' queues (those
+        still listened to), with one wake-up of the event loop for all of them."""
+        ready: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Any]]] = {}
+        for request_id, item in items:
+            if isinstance(item, OutputDelta):
+                out: Any = replica.decoder.decode(item)
+            else:
+                replica.decoder.forget(request_id)
+                out = (_as_exception(item, replica.index) if item is not None else
+                       RequestFailedError(f"data-parallel replica {replica.index} ended the "
+                                          "request"))
+            stream = replica.streams.get(request_id)
+            if stream is not None:
+                ready.setdefault(stream.loop, []).append((stream, out))
+        for loop, batch in ready.items():
+            loop.call_soon_threadsafe(_put_all, batch)
 
     def _replica_stopped(self, replica: _Replica, reason: str) -> None:
         replica.dead_reason = f"data-parallel replica {replica.index} stopped: {reason}"
@@ -430,6 +434,11 @@ class DataParallelEngine:
     def _balancer_state(self) -> tuple[list[int], list[int], list[bool]]:
         b = self.balancer
         return list(b.routed), list(b.load), [r.dead_reason is None for r in self.replicas]
+
+
+def _put_all(batch: list[tuple[_Stream, Any]]) -> None:
+    for stream, item in batch:
+        stream.queue.put_nowait(item)
 
 
 def _aborted(last: RequestOutput) -> RequestOutput:
