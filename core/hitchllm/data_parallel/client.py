@@ -23,6 +23,7 @@ import logging
 import multiprocessing
 import os
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
@@ -51,7 +52,7 @@ from hitchllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# How long a metrics or LoRA call waits for a replica's answer.
+# How long a metrics or LoRA call waits for the replicas' answers.
 _CALL_TIMEOUT_S = 30.0
 # How long shutdown waits for a replica to exit by itself before terminating it.
 _EXIT_GRACE_S = 10.0
@@ -398,10 +399,11 @@ class DataParallelEngine:
     def _call_all(self, method: str, *args: Any) -> list[Any]:
         """Call ``method`` on every live replica and wait; each result or exception."""
         futures = [f for r in self.replicas if (f := self._call(r, method, *args)) is not None]
+        deadline = time.monotonic() + _CALL_TIMEOUT_S
         results = []
         for future in futures:
             try:
-                results.append(future.result(timeout=_CALL_TIMEOUT_S))
+                results.append(future.result(timeout=max(0.0, deadline - time.monotonic())))
             except Exception as exc:
                 results.append(exc)
         if not results:
@@ -423,10 +425,12 @@ class DataParallelEngine:
         """Each replica's metric families; one that cannot answer (it stopped) gives those
         it gave last, so that totals do not drop."""
         futures = [(replica, self._call(replica, "metrics")) for replica in self.replicas]
+        deadline = time.monotonic() + _CALL_TIMEOUT_S
         for replica, future in futures:
             if future is not None:
                 try:
-                    replica.last_metrics = future.result(timeout=_CALL_TIMEOUT_S)
+                    replica.last_metrics = future.result(
+                        timeout=max(0.0, deadline - time.monotonic()))
                 except Exception:
                     logger.warning("no metrics from data-parallel replica %d", replica.index)
         return [replica.last_metrics for replica in self.replicas]

@@ -98,6 +98,9 @@ class _ReplicaServer:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._calls: set[asyncio.Task[None]] = set()
         self.encoder = OutputEncoder()
+        self._engine_dead = False
+        self._loop: asyncio.AbstractEventLoop
+        self._inbox: asyncio.Queue[Any]
 
     def send(self, message: Any) -> None:
         """Send from any thread; a closed pipe (the server is gone) is ignored, the reader
@@ -109,13 +112,16 @@ class _ReplicaServer:
             pass
 
     def engine_died(self, exc: BaseException) -> None:
-        """``AsyncLLMEngine``'s ``on_dead``, from the engine thread."""
+        """``AsyncLLMEngine``'s ``on_dead``, from the engine thread: tell the server why,
+        then stop, so that the server routes nothing more here."""
         self.send(Dead(f"its engine loop stopped after an unexpected {type(exc).__name__}"))
+        self._engine_dead = True
+        self._loop.call_soon_threadsafe(self._inbox.put_nowait, None)
 
     async def serve(self, engine: AsyncLLMEngine) -> None:
         self.engine = engine
-        loop = asyncio.get_running_loop()
-        inbox: asyncio.Queue[Any] = asyncio.Queue()
+        self._loop = loop = asyncio.get_running_loop()
+        self._inbox = inbox = asyncio.Queue()
 
         def read() -> None:
             while True:
@@ -132,6 +138,9 @@ class _ReplicaServer:
             while (message := await inbox.get()) is not None:
                 self._dispatch(message)
         finally:
+            if self._engine_dead and self._tasks:
+                # The engine failed every request; let each tell the server so.
+                await asyncio.wait(list(self._tasks.values()), timeout=5)
             for task in self._tasks.values():
                 task.cancel()
             await asyncio.gather(*self._tasks.values(), return_exceptions=True)
