@@ -23,7 +23,7 @@ from hitchllm.sampling_params import SamplingParams
 def one_replica(llama_path):
     stopped = threading.Event()
     engine = DataParallelEngine(EngineConfig(model=llama_path, block_size=4, max_model_len=256),
-                                1, "tiny", on_all_dead=stopped.set)
+                                1, "tiny", on_all_dead=stopped.set, start_timeout_s=120)
     yield engine, stopped
     engine.shutdown()
     assert not engine.replicas[0].process.is_alive()
@@ -83,7 +83,7 @@ def test_a_replica_that_cannot_start_is_an_error_and_leaves_no_process(tmp_path)
     (tmp_path / "config.json").write_text("{}")
     # A configuration error stays a ValueError, which the command line prints as one line.
     with pytest.raises(ValueError, match="replica 0 failed to start: .*no 'architectures'"):
-        DataParallelEngine(EngineConfig(model=str(tmp_path)), 1)
+        DataParallelEngine(EngineConfig(model=str(tmp_path)), 1, start_timeout_s=120)
     assert not [p for p in multiprocessing.active_children()
                 if p.name.startswith("hitchllm-dp-replica")]
 
@@ -130,7 +130,8 @@ def test_two_replicas_on_two_gpus_answer_like_one_engine(llama_path):
     kwargs = {"device": "cuda", "block_size": 16, "max_model_len": 256}
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     prompts = [{"prompt_token_ids": [i, i + 1, i + 2]} for i in range(1, 5)]
-    engine = DataParallelEngine(EngineConfig(model=llama_path, **kwargs), 2, "tiny")
+    engine = DataParallelEngine(EngineConfig(model=llama_path, **kwargs), 2, "tiny",
+                                start_timeout_s=300)
     try:
         gpus = [r.gpus for r in engine.ready]
         assert [len(g) for g in gpus] == [1, 1] and gpus[0] != gpus[1]  # a GPU each

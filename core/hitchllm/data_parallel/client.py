@@ -96,13 +96,15 @@ class _Replica:
             return False
         return True
 
-    def wait_ready(self) -> Ready:
+    def wait_ready(self, deadline: float | None) -> Ready:
         """Block until the replica has built its engine; RuntimeError (ValueError for a bad
-        argument) if it could not or exited."""
+        argument) if it could not, exited, or is not ready by ``deadline`` (monotonic)."""
         while not self.conn.poll(1.0):
             if not self.process.is_alive():
                 raise RuntimeError(f"data-parallel replica {self.index} exited with code "
                                    f"{self.process.exitcode} while starting (see its log)")
+            if deadline is not None and time.monotonic() > deadline:
+                raise RuntimeError(f"data-parallel replica {self.index} did not start in time")
         try:
             message = self.conn.recv()
         except (EOFError, OSError) as exc:
@@ -171,10 +173,12 @@ class DataParallelEngine:
         lora_modules: list[LoRARequest] | None = None,
         policy: BalancerPolicy | None = None,
         on_all_dead: Callable[[], None] | None = None,
+        start_timeout_s: float | None = None,
     ) -> None:
         """Start the replicas and wait until each has loaded the model (and
-        ``lora_modules``). ``on_all_dead`` is called, from a reader thread, when the last
-        replica stops. Raises if a replica cannot start (the others are then stopped)."""
+        ``lora_modules``), at most ``start_timeout_s`` (default: as long as they run).
+        ``on_all_dead`` is called, from a reader thread, when the last replica stops. Raises
+        if a replica cannot start (the others are then stopped)."""
         if num_replicas < 1:
             raise ValueError(f"data_parallel_size must be at least 1, got {num_replicas}")
         self.config = config
@@ -192,7 +196,8 @@ class DataParallelEngine:
             self._start(num_replicas, ReplicaSpec(
                 0, config, metrics_name, config.max_loras if config.enable_lora else None,
                 list(lora_modules or [])))
-            ready = [replica.wait_ready() for replica in self.replicas]
+            deadline = None if start_timeout_s is None else time.monotonic() + start_timeout_s
+            ready = [replica.wait_ready(deadline) for replica in self.replicas]
         except BaseException:
             self.shutdown()
             raise
