@@ -95,10 +95,10 @@ class _ReplicaServer:
         self.metrics = metrics
         self._send_lock = threading.Lock()
         self._outbox: list[tuple[str, Any]] = []
-        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._tasks: dict[str, asyncio.Task[bool]] = {}
         self._calls: set[asyncio.Task[None]] = set()
         self.encoder = OutputEncoder()
-        self._engine_dead = False
+        self._engine_dead: str | None = None
         self._loop: asyncio.AbstractEventLoop
         self._inbox: asyncio.Queue[Any]
 
@@ -112,10 +112,9 @@ class _ReplicaServer:
             pass
 
     def engine_died(self, exc: BaseException) -> None:
-        """``AsyncLLMEngine``'s ``on_dead``, from the engine thread: tell the server why,
-        then stop, so that the server routes nothing more here."""
-        self.send(Dead(f"its engine loop stopped after an unexpected {type(exc).__name__}"))
-        self._engine_dead = True
+        """``AsyncLLMEngine``'s ``on_dead``, from the engine thread: stop (the server then
+        routes nothing more here), after the failed requests and a ``Dead`` saying why."""
+        self._engine_dead = f"its engine loop stopped after an unexpected {type(exc).__name__}"
         self._loop.call_soon_threadsafe(self._inbox.put_nowait, None)
 
     async def serve(self, engine: AsyncLLMEngine) -> None:
@@ -129,7 +128,10 @@ class _ReplicaServer:
                     message = self.conn.recv()
                 except (EOFError, OSError):
                     message = None
-                loop.call_soon_threadsafe(inbox.put_nowait, message)
+                try:
+                    loop.call_soon_threadsafe(inbox.put_nowait, message)
+                except RuntimeError:  # the loop has closed: the replica stopped serving
+                    return
                 if message is None:
                     return
 
@@ -138,17 +140,24 @@ class _ReplicaServer:
             while (message := await inbox.get()) is not None:
                 self._dispatch(message)
         finally:
-            if self._engine_dead and self._tasks:
+            if self._engine_dead is not None and self._tasks:
                 # The engine failed every request; let each tell the server so.
                 await asyncio.wait(list(self._tasks.values()), timeout=5)
             for task in self._tasks.values():
                 task.cancel()
             await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+            if self._outbox:
+                self._flush()
+            if self._engine_dead is not None:
+                self.send(Dead(self._engine_dead))
 
     def _dispatch(self, message: Any) -> None:
         if isinstance(message, Generate):
+            rid = message.request_id
             task = asyncio.create_task(self._generate(message))
-            self._tasks[message.request_id] = task
+            self._tasks[rid] = task
+            # A callback, not a finally: a task cancelled before it starts runs no code.
+            task.add_done_callback(lambda t: self._ended(rid, t))
         elif isinstance(message, Abort):
             # Cancelling the task aborts the request in the engine (or before it got there).
             task = self._tasks.get(message.request_id)
@@ -161,29 +170,33 @@ class _ReplicaServer:
         else:
             logger.error("replica %d: unknown message %r", self.index, type(message).__name__)
 
-    async def _generate(self, msg: Generate) -> None:
-        """Run one request; its last delivery is its finished output, an error, or (when the
-        server aborted it) None, so that the server's decoder forgets it in every case."""
+    async def _generate(self, msg: Generate) -> bool:
+        """Run one request; True once its last delivery (its finished output, or an error)
+        is queued."""
         rid = msg.request_id
-        ended = False
         try:
             async for out in self.engine.generate(msg.prompt, msg.params, rid, **msg.kwargs):
                 self._deliver(rid, self.encoder.encode(out))
-                ended = out.finished
+                if out.finished:
+                    return True
         except asyncio.CancelledError:
-            pass  # aborted by the server, which no longer listens
+            return False  # aborted by the server, which no longer listens
         except Exception as exc:
             error = WireError.of(exc)
             if error.kind == "internal":
                 logger.error("request %s failed", rid, exc_info=exc)
             self.encoder.forget(rid)
             self._deliver(rid, error)
-            ended = True
-        finally:
-            self._tasks.pop(rid, None)
-            if not ended:
-                self.encoder.forget(rid)
-                self._deliver(rid, None)
+            return True
+        return False
+
+    def _ended(self, rid: str, task: asyncio.Task[bool]) -> None:
+        """A request's task is done. If the server aborted it, a last None delivery tells
+        the server's decoder to forget it."""
+        self._tasks.pop(rid, None)
+        if task.cancelled() or not task.result():
+            self.encoder.forget(rid)
+            self._deliver(rid, None)
 
     def _deliver(self, request_id: str, item: Any) -> None:
         """Queue an output or error; everything queued in one loop iteration (one engine
@@ -194,7 +207,8 @@ class _ReplicaServer:
 
     def _flush(self) -> None:
         items, self._outbox = self._outbox, []
-        self.send(Deliveries(items))
+        if items:
+            self.send(Deliveries(items))
 
     async def _call(self, call: Call) -> None:
         try:
