@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from hitchllm.config import EngineConfig
-from hitchllm.data_parallel.client import DataParallelEngine, replica_environments
+from hitchllm.data_parallel.client import DataParallelEngine
+from hitchllm.data_parallel.placement import replica_environments
 from hitchllm.engine.async_engine import EngineDeadError
 from hitchllm.sampling_params import SamplingParams
 

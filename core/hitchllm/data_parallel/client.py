@@ -8,9 +8,7 @@ request on its replica. A replica whose process exits fails its own requests wit
 ``EngineDeadError`` naming it, is routed nothing more, and makes ``dead_reason`` (``/health``)
 report it; the other replicas keep serving. ``shutdown`` stops and reaps every replica.
 
-On CUDA, replica ``i`` sees only its own devices: slice ``i`` (of the size of one replica's
-tensor-parallel group) of the devices this process sees. On the CPU the cores are shared out
-(``OMP_NUM_THREADS``) unless the environment sets them.
+On CUDA, replica ``i`` sees only its own devices (``placement.py``).
 """
 
 from __future__ import annotations
@@ -25,25 +23,24 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
-from multiprocessing.connection import Connection
+from dataclasses import replace
 from typing import Any
 
 from hitchllm.config import EngineConfig
 from hitchllm.data_parallel.balancer import BalancerPolicy, LoadBalancer, NoLiveReplicaError
-from hitchllm.data_parallel.deltas import OutputDecoder, OutputDelta
+from hitchllm.data_parallel.deltas import OutputDelta
+from hitchllm.data_parallel.handle import ReplicaHandle, RequestStream, as_exception
 from hitchllm.data_parallel.messages import (
     Abort,
     Call,
     Dead,
     Deliveries,
     Generate,
-    Ready,
     Reply,
-    StartFailed,
     WireError,
 )
 from hitchllm.data_parallel.metrics import DataParallelMetrics, Family
+from hitchllm.data_parallel.placement import replica_environments
 from hitchllm.data_parallel.replica import ReplicaSpec, run_replica
 from hitchllm.engine.async_engine import EngineDeadError, RequestFailedError
 from hitchllm.lora import LoRARequest
@@ -57,108 +54,6 @@ _CALL_TIMEOUT_S = 30.0
 # How long shutdown waits for a replica to exit by itself before terminating it.
 _EXIT_GRACE_S = 10.0
 _ABORTED = object()  # put on a request's queue by ``abort``
-
-
-@dataclass
-class _Stream:
-    """Where a replica's reader thread delivers one request's outputs (or an exception)."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
-
-    def put(self, item: Any) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-
-
-class _Replica:
-    """The server's side of one replica process."""
-
-    def __init__(self, index: int, process: multiprocessing.process.BaseProcess,
-                 conn: Connection) -> None:
-        self.index = index
-        self.process = process
-        self.conn = conn
-        self.streams: dict[str, _Stream] = {}
-        self.calls: dict[int, concurrent.futures.Future[Any]] = {}
-        self.dead_reason: str | None = None
-        self.last_metrics: list[Family] = []
-        self.decoder = OutputDecoder()  # used by the reader thread only
-        self._send_lock = threading.Lock()
-
-    def send(self, message: Any) -> bool:
-        """False when the replica is gone."""
-        if self.dead_reason is not None:
-            return False
-        try:
-            with self._send_lock:
-                self.conn.send(message)
-        except OSError:
-            return False
-        return True
-
-    def wait_ready(self, deadline: float | None) -> Ready:
-        """Block until the replica has built its engine; RuntimeError (ValueError for a bad
-        argument) if it could not, exited, or is not ready by ``deadline`` (monotonic)."""
-        while not self.conn.poll(1.0):
-            if not self.process.is_alive():
-                raise RuntimeError(f"data-parallel replica {self.index} exited with code "
-                                   f"{self.process.exitcode} while starting (see its log)")
-            if deadline is not None and time.monotonic() > deadline:
-                raise RuntimeError(f"data-parallel replica {self.index} did not start in time")
-        try:
-            message = self.conn.recv()
-        except (EOFError, OSError) as exc:
-            raise RuntimeError(f"data-parallel replica {self.index} exited while starting "
-                               "(see its log)") from exc
-        if isinstance(message, StartFailed):
-            error = message.error
-            kind = ValueError if error.kind == "invalid" else RuntimeError
-            raise kind(f"data-parallel replica {self.index} failed to start: {error.message}")
-        assert isinstance(message, Ready), message
-        return message
-
-
-def _as_exception(error: WireError, replica: int) -> Exception:
-    if error.kind == "invalid":
-        return ValueError(error.message)
-    if error.kind == "type":
-        return TypeError(error.message)
-    if error.kind == "dead":
-        return EngineDeadError(f"data-parallel replica {replica}: {error.message}")
-    if error.kind == "failed":
-        return RequestFailedError(error.message)
-    return RequestFailedError(f"data-parallel replica {replica} failed the request "
-                              f"({error.message})")
-
-
-def replica_environments(config: EngineConfig, num_replicas: int) -> list[dict[str, str]]:
-    """The environment each replica process starts with: its CUDA devices (slice ``i`` of
-    the size of one replica's tensor x pipeline parallel group), or on the CPU its share of
-    the cores. ``ValueError`` when there are not enough devices."""
-    device = config.resolve_device()
-    if device.type == "cuda":
-        if device.index is not None:
-            raise ValueError(f"device={config.device!r} pins one GPU, but each data-parallel "
-                             "replica gets GPUs of its own; use --device cuda (or auto) and "
-                             "choose the GPUs with CUDA_VISIBLE_DEVICES")
-        import torch
-
-        group = (getattr(config, "tensor_parallel_size", 1)
-                 * getattr(config, "pipeline_parallel_size", 1))
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        devices = ([d.strip() for d in visible.split(",") if d.strip()] if visible
-                   else [str(i) for i in range(torch.cuda.device_count())])
-        if num_replicas * group > len(devices):
-            raise ValueError(
-                f"data_parallel_size={num_replicas} replicas of {group} GPU(s) each need "
-                f"{num_replicas * group} GPUs, but {len(devices)} are visible; lower "
-                "--data-parallel-size (or the parallel size of each replica)")
-        return [{"CUDA_VISIBLE_DEVICES": ",".join(devices[i * group:(i + 1) * group])}
-                for i in range(num_replicas)]
-    if "OMP_NUM_THREADS" in os.environ:
-        return [{} for _ in range(num_replicas)]
-    threads = str(max(1, (os.cpu_count() or 1) // num_replicas))
-    return [{"OMP_NUM_THREADS": threads} for _ in range(num_replicas)]
 
 
 class DataParallelEngine:
@@ -185,10 +80,10 @@ class DataParallelEngine:
         self.balancer = LoadBalancer(
             num_replicas, policy or BalancerPolicy(block_size=config.block_size))
         self.on_all_dead = on_all_dead
-        self.replicas: list[_Replica] = []
+        self.replicas: list[ReplicaHandle] = []
         self._ids = itertools.count()
         self._call_ids = itertools.count()
-        self._where: dict[str, _Replica] = {}
+        self._where: dict[str, ReplicaHandle] = {}
         self._loras_lock = threading.Lock()
         self._closed = False
         atexit.register(self.shutdown)
@@ -232,7 +127,7 @@ class DataParallelEngine:
                     else:
                         os.environ[key] = value
             theirs.close()  # so that the replica's exit closes the pipe for our reader
-            self.replicas.append(_Replica(i, process, ours))
+            self.replicas.append(ReplicaHandle(i, process, ours))
 
     # ---- EngineClient -------------------------------------------------------------------
 
@@ -255,7 +150,7 @@ class DataParallelEngine:
         except NoLiveReplicaError as exc:
             raise EngineDeadError(self.dead_reason or str(exc)) from exc
         replica = self.replicas[index]
-        stream = _Stream(asyncio.get_running_loop())
+        stream = RequestStream(asyncio.get_running_loop())
         replica.streams[request_id] = stream
         self._where[request_id] = replica
         done = False
@@ -343,7 +238,7 @@ class DataParallelEngine:
 
     # ---- replies from the replicas ------------------------------------------------------
 
-    def _read(self, replica: _Replica) -> None:
+    def _read(self, replica: ReplicaHandle) -> None:
         """One replica's reader thread: deliver its messages until its pipe closes."""
         dead_reason = None
         while True:
@@ -357,7 +252,7 @@ class DataParallelEngine:
                 future = replica.calls.pop(message.call_id, None)
                 if future is not None:
                     if message.error is not None:
-                        future.set_exception(_as_exception(message.error, replica.index))
+                        future.set_exception(as_exception(message.error, replica.index))
                     else:
                         future.set_result(message.value)
             elif isinstance(message, Dead):
@@ -368,17 +263,17 @@ class DataParallelEngine:
                                   f"its process (pid {replica.process.pid}) exited with code "
                                   f"{replica.process.exitcode}")
 
-    def _deliver(self, replica: _Replica,
+    def _deliver(self, replica: ReplicaHandle,
                  items: list[tuple[str, OutputDelta | WireError | None]]) -> None:
         """Decode one message's deliveries and hand them to their requests' queues (those
         still listened to), with one wake-up of the event loop for all of them."""
-        ready: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Any]]] = {}
+        ready: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
         for request_id, item in items:
             if isinstance(item, OutputDelta):
                 out: Any = replica.decoder.decode(item)
             else:
                 replica.decoder.forget(request_id)
-                out = (_as_exception(item, replica.index) if item is not None else
+                out = (as_exception(item, replica.index) if item is not None else
                        RequestFailedError(f"data-parallel replica {replica.index} ended the "
                                           "request"))
             stream = replica.streams.get(request_id)
@@ -387,7 +282,7 @@ class DataParallelEngine:
         for loop, batch in ready.items():
             loop.call_soon_threadsafe(_put_all, batch)
 
-    def _replica_stopped(self, replica: _Replica, reason: str) -> None:
+    def _replica_stopped(self, replica: ReplicaHandle, reason: str) -> None:
         replica.dead_reason = f"data-parallel replica {replica.index} stopped: {reason}"
         logger.error("%s; its requests fail, the other replicas go on serving",
                      replica.dead_reason)
@@ -415,7 +310,7 @@ class DataParallelEngine:
             raise EngineDeadError(self.dead_reason or "no data-parallel replica is running")
         return results
 
-    def _call(self, replica: _Replica, method: str,
+    def _call(self, replica: ReplicaHandle, method: str,
               *args: Any) -> concurrent.futures.Future[Any] | None:
         """Send a ``Call``; the future of its reply, or None when the replica is gone."""
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
@@ -445,7 +340,7 @@ class DataParallelEngine:
         return list(b.routed), list(b.load), [r.dead_reason is None for r in self.replicas]
 
 
-def _put_all(batch: list[tuple[_Stream, Any]]) -> None:
+def _put_all(batch: list[tuple[RequestStream, Any]]) -> None:
     for stream, item in batch:
         stream.queue.put_nowait(item)
 
