@@ -187,11 +187,16 @@ def test_bench_serve_runs_against_the_data_parallel_server(server, capsys):
 def replica_pids(server_pid: int) -> list[int]:
     """The server's replica processes (its children started by multiprocessing's spawn)."""
     pids = []
-    for task in Path(f"/proc/{server_pid}/task").iterdir():
-        for pid in (task / "children").read_text().split():
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            if b"spawn_main" in cmdline:
-                pids.append(int(pid))
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (proc / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+        if ppid == server_pid and b"spawn_main" in cmdline:
+            pids.append(int(proc.name))
     return sorted(pids)
 
 
@@ -203,7 +208,7 @@ def health(url: str) -> tuple[int, str]:
         return err.code, err.read().decode()
 
 
-@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc")
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_a_killed_replica_fails_its_requests_and_the_other_serves_on(dp_server):
     """Runs last in this module: it leaves the server with one replica."""
     url, proc = dp_server
