@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import multiprocessing
@@ -246,22 +247,33 @@ class DataParallelEngine:
                 message = replica.conn.recv()
             except (EOFError, OSError):
                 break
-            if isinstance(message, Deliveries):
-                self._deliver(replica, message.items)
-            elif isinstance(message, Reply):
-                future = replica.calls.pop(message.call_id, None)
-                if future is not None:
-                    if message.error is not None:
-                        future.set_exception(as_exception(message.error, replica.index))
-                    else:
-                        future.set_result(message.value)
-            elif isinstance(message, Dead):
+            if isinstance(message, Dead):
                 dead_reason = message.reason
+                continue
+            try:
+                self._handle(replica, message)
+            except Exception:  # one bad message must not stop this replica's replies
+                logger.exception("data-parallel replica %d: a message could not be handled",
+                                 replica.index)
         if not self._closed:
             replica.process.join(5)
             self._replica_stopped(replica, dead_reason or
                                   f"its process (pid {replica.process.pid}) exited with code "
                                   f"{replica.process.exitcode}")
+
+    def _handle(self, replica: ReplicaHandle, message: Any) -> None:
+        if isinstance(message, Deliveries):
+            self._deliver(replica, message.items)
+        elif isinstance(message, Reply):
+            future = replica.calls.pop(message.call_id, None)
+            if future is not None:
+                if message.error is not None:
+                    future.set_exception(as_exception(message.error, replica.index))
+                else:
+                    future.set_result(message.value)
+        else:
+            logger.error("data-parallel replica %d sent an unknown %s", replica.index,
+                         type(message).__name__)
 
     def _deliver(self, replica: ReplicaHandle,
                  items: list[tuple[str, OutputDelta | WireError | None]]) -> None:
@@ -280,7 +292,8 @@ class DataParallelEngine:
             if stream is not None:
                 ready.setdefault(stream.loop, []).append((stream, out))
         for loop, batch in ready.items():
-            loop.call_soon_threadsafe(_put_all, batch)
+            with contextlib.suppress(RuntimeError):  # that loop has closed: no one listens
+                loop.call_soon_threadsafe(_put_all, batch)
 
     def _replica_stopped(self, replica: ReplicaHandle, reason: str) -> None:
         replica.dead_reason = f"data-parallel replica {replica.index} stopped: {reason}"
