@@ -23,6 +23,15 @@ def running_server(args: list[str], timeout: float = 120.0,
                    env: dict[str, str] | None = None) -> Iterator[str]:
     """Yield the base URL (``http://127.0.0.1:PORT``) of a server started with ``args``
     (and ``env`` added to this process's environment)."""
+    with running_server_process(args, timeout, env) as (url, _):
+        yield url
+
+
+@contextmanager
+def running_server_process(
+    args: list[str], timeout: float = 120.0, env: dict[str, str] | None = None,
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """As ``running_server``, yielding the server's process too."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "hitchllm.entrypoints.cli", "serve", "--port", str(port), *args],
@@ -44,7 +53,7 @@ def running_server(args: list[str], timeout: float = 120.0,
             if time.monotonic() > deadline:
                 raise RuntimeError("server did not become healthy in time")
             time.sleep(0.2)
-        yield url
+        yield url, proc
     finally:
         proc.terminate()
         try:

@@ -18,7 +18,7 @@ _NEVER = object()  # the no-op value of an argument that no value makes harmless
 VLLM_ARGS_NOT_SUPPORTED: dict[str, tuple[Any, str]] = {
     "tensor_parallel_size": (1, "it runs the model on one device"),
     "pipeline_parallel_size": (1, "it runs the model on one device"),
-    "data_parallel_size": (1, "start one engine per replica"),
+    "data_parallel_size": (1, "serve replicas with `hitchllm serve --data-parallel-size N`"),
     "enable_expert_parallel": (False, ""),
     "distributed_executor_backend": (None, "it runs in one process"),
     "trust_remote_code": (False, "it runs only its own model classes"),

@@ -19,7 +19,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hitchllm.config import EngineConfig
 from hitchllm.engine.llm_engine import LLMEngine, Prompt
+from hitchllm.lora import LoRARequest
 from hitchllm.outputs import RequestOutput
 from hitchllm.sampling_params import SamplingParams
 
@@ -63,7 +65,8 @@ StepObserver = Callable[[LLMEngine, list[RequestOutput], float], None]
 
 
 class AsyncLLMEngine:
-    """Runs an ``LLMEngine`` in a background thread and serves ``generate`` to asyncio code."""
+    """Runs an ``LLMEngine`` in a background thread and serves ``generate`` to asyncio code
+    (an ``EngineClient``)."""
 
     def __init__(
         self,
@@ -86,6 +89,24 @@ class AsyncLLMEngine:
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def add_lora(self, lora_request: LoRARequest) -> LoRARequest:
+        """``LLMEngine.add_lora`` (safe beside the engine thread)."""
+        return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_name: str) -> None:
+        self.engine.remove_lora(lora_name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.engine.list_loras()
 
     @property
     def dead_reason(self) -> str | None:

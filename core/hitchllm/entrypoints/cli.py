@@ -18,9 +18,11 @@ from hitchllm.unsupported_args import VLLM_ARGS_NOT_SUPPORTED
 
 
 def add_engine_args(
-    parser: argparse.ArgumentParser, model_default: str | None = default_model_path()
+    parser: argparse.ArgumentParser, model_default: str | None = default_model_path(),
+    own_flags: tuple[str, ...] = (),
 ) -> None:
-    """Flags that become ``EngineConfig`` fields."""
+    """Flags that become ``EngineConfig`` fields; ``own_flags`` are the vLLM arguments the
+    command defines itself (``serve``'s ``data_parallel_size``)."""
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=model_default,
                    help="checkpoint directory (default: the bundled code model)")
@@ -74,6 +76,8 @@ def add_engine_args(
     # vLLM's flags for what hitchllm does not implement yet: accepted so that EngineConfig
     # refuses them by name (or ignores a no-op value) instead of argparse calling them unknown.
     for name, (no_op, _) in VLLM_ARGS_NOT_SUPPORTED.items():
+        if name in own_flags:
+            continue
         flag = "--" + name.replace("_", "-")
         if isinstance(no_op, bool):
             g.add_argument(flag, action="store_true", default=None, help=argparse.SUPPRESS)
@@ -90,6 +94,10 @@ ENGINE_FLAGS = ["tokenizer", "dtype", "kv_cache_dtype", "calculate_kv_scales", "
                 "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                 "enable_prefix_caching", "scheduling_policy", "seed", "enforce_eager",
                 "enable_fusion", "async_scheduling", *VLLM_ARGS_NOT_SUPPORTED]
+
+
+# vLLM engine arguments that ``serve`` implements itself rather than the engine.
+SERVE_FLAGS = ("data_parallel_size",)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -250,12 +258,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from hitchllm.entrypoints.openai.server import ServerLimits
 
     model, names = served_model(args)
+    kwargs = {k: v for k, v in engine_kwargs(args).items() if k not in SERVE_FLAGS}
     serve(
-        EngineConfig(model=model, **engine_kwargs(args)),
+        EngineConfig(model=model, **kwargs),
         host=args.host, port=args.port, served_model_name=names,
         api_key=args.api_key, chat_template=args.chat_template,
         limits=ServerLimits(max_n=args.max_n, max_request_bytes=args.max_request_bytes),
         lora_modules=parse_lora_modules(args.lora_modules or []),
+        data_parallel_size=args.data_parallel_size,
     )
     return 0
 
@@ -296,7 +306,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
     p.add_argument("model_tag", nargs="?", metavar="MODEL",
                    help="checkpoint directory, as --model (default: the bundled code model)")
-    add_engine_args(p, model_default=None)
+    add_engine_args(p, model_default=None, own_flags=SERVE_FLAGS)
+    p.add_argument("-dp", "--data-parallel-size", type=int, default=1, metavar="N",
+                   help="engine replicas, each in its own process (on CUDA: on its own GPUs), "
+                        "behind a load balancer (default 1)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", nargs="+", metavar="NAME",

@@ -1,12 +1,17 @@
 """``hitchllm serve``: build the engine, wrap it for asyncio, serve it with uvicorn.
 
 If the engine loop dies, ``/health`` answers 503 at once and the process shuts down and exits
-with status 1, so that an orchestrator (systemd, Kubernetes) restarts it.
+with status 1, so that an orchestrator (systemd, Kubernetes) restarts it. With data
+parallelism (``data_parallel_size`` > 1) the engines are replicas in processes of their own
+(``hitchllm.data_parallel``): one that stops fails its own requests and turns ``/health`` to
+503 while the others go on serving; the server exits (status 1) once none is left.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +19,8 @@ from hitchllm.config import EngineConfig
 from hitchllm.lora import LoRARequest
 
 if TYPE_CHECKING:
+    from hitchllm.engine.engine_client import EngineClient
+    from hitchllm.entrypoints.openai.metrics import MetricsSource
     from hitchllm.entrypoints.openai.server import ServerLimits
 
 logger = logging.getLogger(__name__)
@@ -28,17 +35,17 @@ def serve(
     chat_template: str | None = None,
     limits: ServerLimits | None = None,
     lora_modules: list[LoRARequest] | None = None,
+    data_parallel_size: int = 1,
 ) -> None:
     """Start the engine and serve it until interrupted (or until the engine dies: then exit
     with status 1). Binds 127.0.0.1 unless told otherwise. ``lora_modules`` are LoRA adapters
-    loaded at start-up (needs ``enable_lora``), each served as a model of its name."""
+    loaded at start-up (needs ``enable_lora``), each served as a model of its name.
+    ``data_parallel_size`` engine replicas, each in its own process (on its own GPUs), share
+    the requests."""
     try:
         import uvicorn
         from transformers import AutoTokenizer
 
-        from hitchllm.engine.async_engine import AsyncLLMEngine
-        from hitchllm.engine.llm_engine import LLMEngine
-        from hitchllm.entrypoints.openai.metrics import ServerMetrics
         from hitchllm.entrypoints.openai.models import runtime_lora_updating_allowed
         from hitchllm.entrypoints.openai.server import build_app
     except ImportError as exc:
@@ -50,38 +57,71 @@ def serve(
     template = Path(chat_template).read_text() if chat_template else None
     names = served_model_name or [engine_config.model]
     _check_lora_modules(engine_config, names, lora_modules or [])
-    engine = LLMEngine(engine_config)
-    for lora in lora_modules or []:
-        engine.add_lora(lora)
+    if data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be at least 1, got {data_parallel_size}")
     allow_lora_updating = engine_config.enable_lora and runtime_lora_updating_allowed()
     if allow_lora_updating:
         logger.warning("LoRA adapters may be loaded at run time (/v1/load_lora_adapter): any "
                        "client can make the server read a directory it can reach")
     # /metrics is open to scrapers: a name that is a local path is labelled by its last part.
-    metrics = ServerMetrics(Path(names[0]).name if Path(names[0]).exists() else names[0],
-                            engine_config.max_loras if engine_config.enable_lora else None)
+    metrics_name = Path(names[0]).name if Path(names[0]).exists() else names[0]
     server: uvicorn.Server | None = None
 
-    def on_dead(_: BaseException) -> None:
-        logger.error("the engine loop died; shutting the server down (exit status 1)")
+    def stop_serving() -> None:
+        logger.error("the engine loop died (every replica's, with data parallelism); "
+                     "shutting the server down (exit status 1)")
         if server is not None:
             server.should_exit = True
 
-    async_engine = AsyncLLMEngine(engine, on_step=metrics.observe, on_dead=on_dead)
     tokenizer: Any = AutoTokenizer.from_pretrained(engine_config.tokenizer or engine_config.model)
-    app = build_app(async_engine, names, tokenizer, metrics, api_key, template, limits,
+    client, metrics = _start_engines(engine_config, data_parallel_size, metrics_name,
+                                     lora_modules or [], stop_serving)
+    app = build_app(client, names, tokenizer, metrics, api_key, template, limits,
                     allow_lora_updating)
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         logger.warning("serving on %s without --api-key: anyone who can reach it can use it", host)
     logger.info("serving %s on http://%s:%d/v1 (OpenAI-compatible)", ", ".join(names), host, port)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                            timeout_graceful_shutdown=5))
+    # uvicorn stops gracefully on SIGTERM, then raises it again: exit through Python so that
+    # the engines (replica processes) are shut down below, not left behind.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         server.run()
     finally:
-        async_engine.shutdown()
-    if async_engine.dead_reason is not None:
+        client.shutdown()
+    if client.dead_reason is not None:
         raise SystemExit(1)
+
+
+def _exit_on_signal(signum: int, _: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _start_engines(
+    engine_config: EngineConfig, data_parallel_size: int, metrics_name: str,
+    lora_modules: list[LoRARequest], stop_serving: Callable[[], None],
+) -> tuple[EngineClient, MetricsSource]:
+    """The engine client the server drives and the metrics it serves: one engine in this
+    process, or ``data_parallel_size`` replica processes. ``stop_serving`` is called once no
+    engine is left."""
+    max_loras = engine_config.max_loras if engine_config.enable_lora else None
+    if data_parallel_size > 1:
+        from hitchllm.data_parallel.client import DataParallelEngine
+
+        dp = DataParallelEngine(engine_config, data_parallel_size, metrics_name, lora_modules,
+                                on_all_dead=stop_serving)
+        return dp, dp.metrics
+    from hitchllm.engine.async_engine import AsyncLLMEngine
+    from hitchllm.engine.llm_engine import LLMEngine
+    from hitchllm.entrypoints.openai.metrics import ServerMetrics
+
+    engine = LLMEngine(engine_config)
+    for lora in lora_modules:
+        engine.add_lora(lora)
+    metrics = ServerMetrics(metrics_name, max_loras)
+    return AsyncLLMEngine(engine, on_step=metrics.observe,
+                          on_dead=lambda _: stop_serving()), metrics
 
 
 def _check_lora_modules(engine_config: EngineConfig, names: list[str],

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -18,6 +19,14 @@ from hitchllm.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class MetricsSource(Protocol):
+    """What ``/metrics`` serves: ``ServerMetrics`` of one engine, or the merged metrics of
+    data-parallel replicas."""
+
+    def render(self) -> bytes:
+        """The metrics in Prometheus' text format."""
 
 
 @dataclass

@@ -8,8 +8,9 @@ runs; like vLLM they are refused unless ``HITCHLLM_ALLOW_RUNTIME_LORA_UPDATING``
 ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``) is true, because they read any directory the server
 can.
 
-The adapters themselves are served by a plugin (``hitchllm-lora``) through the engine's
-``add_lora`` / ``remove_lora`` / ``list_loras``; nothing here depends on it.
+The adapters themselves are served by a plugin (``hitchllm-lora``) through the engine
+client's ``add_lora`` / ``remove_lora`` / ``list_loras`` (with data parallelism, every
+replica loads each adapter); nothing here depends on it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from hitchllm.engine.llm_engine import LLMEngine
+from hitchllm.engine.engine_client import EngineClient
 from hitchllm.lora import LORA_PLUGIN, LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ class UnloadLoRAAdapterRequest(BaseModel):
 class ServedModels:
     """The base model's served names and the engine's LoRA adapters, as API models."""
 
-    def __init__(self, engine: LLMEngine, base_names: list[str],
+    def __init__(self, engine: EngineClient, base_names: list[str],
                  allow_runtime_lora_updating: bool = False) -> None:
         self.engine = engine
         self.base_names = base_names
@@ -156,7 +157,7 @@ class ServedModels:
         ``APIError`` 404 listing the loaded adapters when there is none of that name."""
         self._check_runtime_updating()
         try:
-            self.engine.remove_lora(req.lora_name)
+            await asyncio.to_thread(self.engine.remove_lora, req.lora_name)
         except ValueError as exc:
             raise APIError(404, str(exc), param="lora_name") from exc
         logger.info("unloaded LoRA adapter %r through /v1/unload_lora_adapter", req.lora_name)

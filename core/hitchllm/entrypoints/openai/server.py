@@ -25,8 +25,9 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import hitchllm
-from hitchllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
-from hitchllm.entrypoints.openai.metrics import ServerMetrics
+from hitchllm.engine.async_engine import EngineDeadError, RequestFailedError
+from hitchllm.engine.engine_client import EngineClient
+from hitchllm.entrypoints.openai.metrics import MetricsSource
 from hitchllm.entrypoints.openai.models import (
     APIError,
     LoadLoRAAdapterRequest,
@@ -160,22 +161,23 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
 
 
 def build_app(
-    engine: AsyncLLMEngine,
+    engine: EngineClient,
     served_model_names: list[str],
     tokenizer: Any,
-    metrics: ServerMetrics,
+    metrics: MetricsSource,
     api_key: str | None = None,
     chat_template: str | None = None,
     limits: ServerLimits | None = None,
     allow_runtime_lora_updating: bool = False,
 ) -> FastAPI:
-    """The FastAPI application serving ``engine`` under ``served_model_names`` (the first is
+    """The FastAPI application serving ``engine`` (one in-process engine, or data-parallel
+    replicas) under ``served_model_names`` (the first is
     the name reported back) and each of its LoRA adapters under the adapter's name;
     ``allow_runtime_lora_updating`` opens ``/v1/load_lora_adapter`` and
     ``/v1/unload_lora_adapter``."""
     limits = limits or ServerLimits()
     app = FastAPI(title="hitchllm", version=hitchllm.__version__)
-    served = ServedModels(engine.engine, served_model_names, allow_runtime_lora_updating)
+    served = ServedModels(engine, served_model_names, allow_runtime_lora_updating)
     serving = OpenAIServing(engine, served_model_names[0], tokenizer, chat_template)
     app.add_middleware(BodySizeLimit, max_bytes=limits.max_request_bytes)
 
@@ -256,7 +258,8 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
-        """200 while the engine loop runs; 503 with the reason once it has stopped."""
+        """200 while the engine loop runs (every replica's, with data parallelism); 503 with
+        the reason once one has stopped."""
         if (reason := engine.dead_reason) is not None:
             return error_response(503, reason)
         return Response(status_code=200)
@@ -267,11 +270,13 @@ def build_app(
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+        # Off the event loop: with data parallelism this asks every replica for its numbers.
+        text = await asyncio.to_thread(metrics.render)
+        return Response(text, media_type="text/plain; version=0.0.4")
 
     # ---- vLLM's extra routes: one model's card, and the server's tokenizer ----
 
-    tokenization = OpenAITokenization(serving, engine.engine.max_model_len)
+    tokenization = OpenAITokenization(serving, engine.max_model_len)
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> Response:

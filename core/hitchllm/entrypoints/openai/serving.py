@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from hitchllm.engine.async_engine import AsyncLLMEngine
+from hitchllm.engine.engine_client import EngineClient
 from hitchllm.entrypoints.llm import chat_prompt_token_ids
 from hitchllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from hitchllm.entrypoints.openai.streaming import merge, sse, stream_safe_length
@@ -48,7 +48,7 @@ class OpenAIServing:
     """Turns API requests into engine requests and engine outputs into API responses."""
 
     def __init__(
-        self, engine: AsyncLLMEngine, model_name: str, tokenizer: Any,
+        self, engine: EngineClient, model_name: str, tokenizer: Any,
         chat_template: str | None,
     ) -> None:
         self.engine = engine
@@ -62,7 +62,7 @@ class OpenAIServing:
         # No token covers more characters than its longest vocabulary entry, so a text
         # longer than max_model_len times that cannot fit and is not worth tokenizing.
         longest_token = max((len(t) for t in tokenizer.get_vocab()), default=1)
-        self.max_prompt_chars = engine.engine.max_model_len * max(1, longest_token)
+        self.max_prompt_chars = engine.max_model_len * max(1, longest_token)
 
     async def in_tokenizer_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` in the tokenizer thread (tokenizing, chat templates)."""
@@ -79,7 +79,7 @@ class OpenAIServing:
             if params.truncate_prompt_tokens is None and len(prompt) > self.max_prompt_chars:
                 raise ValueError(
                     f"prompt has {len(prompt)} characters, more than max_model_len="
-                    f"{self.engine.engine.max_model_len} tokens can hold; shorten it")
+                    f"{self.engine.max_model_len} tokens can hold; shorten it")
             ids = await self.in_tokenizer_thread(lambda p: self.tokenizer(p).input_ids, prompt)
             out.append({"prompt": prompt, "prompt_token_ids": list(ids)})
         return out

@@ -1,0 +1,90 @@
+"""The server's side of one replica process: its pipe, the requests it runs and the calls
+waiting for its answers (used by ``DataParallelEngine``)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import multiprocessing.process
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+from hitchllm.data_parallel.deltas import OutputDecoder
+from hitchllm.data_parallel.messages import Ready, StartFailed, WireError
+from hitchllm.data_parallel.metrics import Family
+from hitchllm.engine.async_engine import EngineDeadError, RequestFailedError
+
+
+@dataclass
+class RequestStream:
+    """Where a replica's reader thread delivers one request's outputs (or an exception)."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+
+    def put(self, item: Any) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class ReplicaHandle:
+    """The server's side of one replica process."""
+
+    def __init__(self, index: int, process: multiprocessing.process.BaseProcess,
+                 conn: Connection) -> None:
+        self.index = index
+        self.process = process
+        self.conn = conn
+        self.streams: dict[str, RequestStream] = {}
+        self.calls: dict[int, concurrent.futures.Future[Any]] = {}
+        self.dead_reason: str | None = None
+        self.last_metrics: list[Family] = []
+        self.decoder = OutputDecoder()  # used by the reader thread only
+        self._send_lock = threading.Lock()
+
+    def send(self, message: Any) -> bool:
+        """False when the replica is gone."""
+        if self.dead_reason is not None:
+            return False
+        try:
+            with self._send_lock:
+                self.conn.send(message)
+        except OSError:
+            return False
+        return True
+
+    def wait_ready(self, deadline: float | None) -> Ready:
+        """Block until the replica has built its engine; RuntimeError (ValueError for a bad
+        argument) if it could not, exited, or is not ready by ``deadline`` (monotonic)."""
+        while not self.conn.poll(1.0):
+            if not self.process.is_alive():
+                raise RuntimeError(f"data-parallel replica {self.index} exited with code "
+                                   f"{self.process.exitcode} while starting (see its log)")
+            if deadline is not None and time.monotonic() > deadline:
+                raise RuntimeError(f"data-parallel replica {self.index} did not start in time")
+        try:
+            message = self.conn.recv()
+        except (EOFError, OSError) as exc:
+            raise RuntimeError(f"data-parallel replica {self.index} exited while starting "
+                               "(see its log)") from exc
+        if isinstance(message, StartFailed):
+            error = message.error
+            kind = ValueError if error.kind == "invalid" else RuntimeError
+            raise kind(f"data-parallel replica {self.index} failed to start: {error.message}")
+        assert isinstance(message, Ready), message
+        return message
+
+
+def as_exception(error: WireError, replica: int) -> Exception:
+    if error.kind == "invalid":
+        return ValueError(error.message)
+    if error.kind == "type":
+        return TypeError(error.message)
+    if error.kind == "dead":
+        return EngineDeadError(f"data-parallel replica {replica}: {error.message}")
+    if error.kind == "failed":
+        return RequestFailedError(error.message)
+    return RequestFailedError(f"data-parallel replica {replica} failed the request "
+                              f"({error.message})")
