@@ -24,7 +24,8 @@ class LLM:
     ``block_size``, ``num_kv_blocks``, ``kv_cache_memory``, ``max_model_len``, ``max_num_seqs``,
     ``max_num_batched_tokens``, ``enable_prefix_caching``, ``seed``, ...). Invalid values
     raise ``EngineConfigError`` (a ``ValueError``), one line per field; vLLM arguments hitchllm
-    does not implement yet (``tensor_parallel_size=2``, ...) are refused by name.
+    does not implement yet (``pipeline_parallel_size=2``, ...) are refused by name.
+    ``tensor_parallel_size=N`` splits the model over N worker processes (N GPUs on CUDA).
     ``enable_lora=True`` (with ``max_loras``, ``max_lora_rank``, ``max_cpu_loras``) serves
     LoRA adapters through the hitchllm-lora plugin.
     """
