@@ -1,0 +1,43 @@
+"""Helpers of the tensor-parallel tests: engines whose worker processes are always reaped."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from hitchllm import LLM
+
+# Every multi-process test runs under this limit (pytest-timeout is not installed: the
+# executor's own step timeout and this wall-clock check keep a broken run from hanging).
+TP_TEST_TIMEOUT_S = 60
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (a reaped child does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture
+def only_builtin_plugins(monkeypatch):
+    """Workers load no optional plugin: each worker's start-up is then the import of torch
+    and the load of its shard (the optional plugins import Triton, seconds on 2 cores)."""
+    monkeypatch.setenv("HITCHLLM_PLUGINS", "")
+
+
+@contextmanager
+def tp_llm(path: str, **kwargs) -> Iterator[LLM]:
+    """An ``LLM`` whose executor is closed on the way out, with every worker process gone."""
+    llm = LLM(path, **kwargs)
+    pids = list(getattr(llm.engine.executor, "pids", []))
+    try:
+        yield llm
+    finally:
+        llm.engine.close()
+        assert not [pid for pid in pids if alive(pid)], "a worker process outlived close()"
