@@ -199,6 +199,7 @@ class MultiprocExecutor(Executor):
     # ---- calls on every rank -----------------------------------------------------------
 
     def _send(self, method: str, *args: Any) -> None:
+        self._check_running()
         payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
         for rank, conn in enumerate(self._workers.conns):
             try:
@@ -213,9 +214,7 @@ class MultiprocExecutor(Executor):
         is raised here (the lowest rank's, with its traceback as a note): once every rank has
         answered, or at once with ``fail_fast`` (set-up calls; the workers are stopped then,
         since ranks that wait in a collective for the failed one would never answer)."""
-        if not self._workers.conns:
-            raise WorkerFailedError("the tensor-parallel workers are stopped (the executor "
-                                    "was closed or a worker failed); start a new engine")
+        self._check_running()
         pending = dict(enumerate(self._workers.conns))
         answers: list[Any] = [None] * self.world_size
         errors: list[tuple[int, BaseException, str]] = []
@@ -229,7 +228,7 @@ class MultiprocExecutor(Executor):
                     continue
                 try:
                     status, *value = conn.recv()
-                except EOFError:
+                except (EOFError, OSError):
                     continue  # it died; reported below
                 del pending[rank]
                 if status == "ok":
@@ -253,6 +252,11 @@ class MultiprocExecutor(Executor):
                          f"{text}")
             raise exc
         return answers
+
+    def _check_running(self) -> None:
+        if not self._workers.conns:
+            raise WorkerFailedError("the tensor-parallel workers are stopped (the executor "
+                                    "was closed or a worker failed); start a new engine")
 
     def _check_alive(self, ranks: Iterable[int]) -> None:
         """Fail if one of ``ranks`` has exited."""

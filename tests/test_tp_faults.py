@@ -1,0 +1,96 @@
+"""A tensor-parallel engine whose worker dies, hangs or fails to start raises an error that
+names the rank, within a bounded time, and leaves no worker process behind."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import time
+
+import pytest
+from safetensors.torch import load_file, save_file
+from tp_support import TP_TEST_TIMEOUT_S, alive, only_builtin_plugins, tp_llm  # noqa: F401
+
+from hitchllm import LLM, SamplingParams
+from hitchllm.engine.executor import WorkerFailedError
+
+ENGINE = dict(dtype="float32", block_size=4, num_kv_blocks=64, max_model_len=64,
+              tensor_parallel_size=2)
+
+
+def start_requests(llm: LLM, n: int = 2) -> None:
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    for i in range(n):
+        llm.engine.add_request({"prompt_token_ids": [1 + i, 2, 3, 4]}, params)
+
+
+def step_until_error(llm: LLM, limit_s: float) -> tuple[BaseException, float]:
+    start = time.monotonic()
+    with pytest.raises(WorkerFailedError) as info:
+        while time.monotonic() - start < limit_s:
+            llm.engine.step()
+    return info.value, time.monotonic() - start
+
+
+def test_a_killed_worker_fails_the_engine_naming_its_rank(llama_path,
+                                                          only_builtin_plugins):  # noqa: F811
+    with tp_llm(llama_path, **ENGINE) as llm:
+        pids = llm.engine.executor.pids
+        start_requests(llm)
+        for _ in range(3):  # mid-run: requests are being decoded
+            llm.engine.step()
+        os.kill(pids[1], signal.SIGKILL)
+        error, took = step_until_error(llm, TP_TEST_TIMEOUT_S)
+        assert "rank 1" in str(error) and "died (killed by signal 9)" in str(error)
+        assert error.rank == 1
+        assert took < 10
+        # The executor stopped every worker; the engine refuses further steps.
+        assert llm.engine.executor.pids == []
+        assert not any(alive(pid) for pid in pids)
+        with pytest.raises(WorkerFailedError, match="stopped"):
+            llm.engine.step()
+
+
+def test_a_hung_worker_fails_the_engine_after_the_step_timeout(llama_path,
+                                                               only_builtin_plugins):  # noqa: F811
+    with tp_llm(llama_path, worker_step_timeout_s=2, **ENGINE) as llm:
+        pids = llm.engine.executor.pids
+        start_requests(llm)
+        llm.engine.step()
+        os.kill(pids[1], signal.SIGSTOP)  # alive but never answers; rank 0 waits for it
+        try:
+            error, took = step_until_error(llm, TP_TEST_TIMEOUT_S)
+        finally:
+            if alive(pids[1]):
+                os.kill(pids[1], signal.SIGCONT)
+        assert "did not answer" in str(error) and "within 2 s" in str(error)
+        assert "1" in str(error).split("rank(s)")[1].split("did not")[0]
+        assert 2 <= took < 12
+        assert not any(alive(pid) for pid in pids)
+
+
+def test_a_worker_that_fails_to_start_raises_its_error_and_stops_the_others(
+        llama_path, tmp_path, only_builtin_plugins):  # noqa: F811
+    broken = tmp_path / "broken"
+    shutil.copytree(llama_path, broken)
+    weights = load_file(broken / "model.safetensors")
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    save_file(weights, broken / "model.safetensors")
+    before = set(_children())
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="down_proj") as info:
+        LLM(str(broken), **ENGINE)
+    assert time.monotonic() - start < TP_TEST_TIMEOUT_S
+    # The first rank to fail is reported (both fail alike here), with its traceback.
+    assert any(re.match(r"raised by tensor-parallel rank [01] in start-up", note)
+               and "load_named_weights" in note for note in info.value.__notes__)
+    assert set(_children()) <= before  # every worker process reaped
+
+
+def _children() -> list[int]:
+    """The ids of this process's live child processes."""
+    import multiprocessing
+
+    return [p.pid for p in multiprocessing.active_children() if p.pid is not None]
