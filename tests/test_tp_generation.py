@@ -11,23 +11,20 @@ import time
 
 import pytest
 from reference import hf_greedy
-from tp_support import TP_TEST_TIMEOUT_S, only_builtin_plugins, tp_llm  # noqa: F401
+from tp_support import (  # noqa: F401
+    TP_TEST_TIMEOUT_S,
+    only_builtin_plugins,
+    qwen3_gqa_path,
+    tp_llm,
+)
 
 from hitchllm import LLM, SamplingParams
-from hitchllm.tiny_model import build_tiny_checkpoint
 
 PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 47)), [300, 7, 7, 7, 9, 12, 200, 5, 1]]
 MAX_TOKENS = 10
 # fp32, chunked prefill (the 37-token prompt takes three steps), async scheduling (default).
 ENGINE = dict(dtype="float32", block_size=4, num_kv_blocks=64, max_model_len=96,
               max_num_batched_tokens=16)
-
-
-@pytest.fixture(scope="module")
-def qwen3_gqa_path(tmp_path_factory) -> str:
-    return str(build_tiny_checkpoint(
-        tmp_path_factory.mktemp("qwen3-gqa") / "m", "Qwen3ForCausalLM",
-        num_key_value_heads=1, vocab_size=515, tie_word_embeddings=True))
 
 
 def params() -> list[SamplingParams]:
@@ -66,7 +63,7 @@ def assert_logprobs_close(a, b) -> None:
 
 
 @pytest.mark.parametrize("model", ["llama", "qwen3_gqa"])
-def test_tp2_generates_what_tp1_generates(model, llama_path, qwen3_gqa_path,
+def test_tp2_generates_what_tp1_generates(model, llama_path, qwen3_gqa_path,  # noqa: F811
                                           only_builtin_plugins):  # noqa: F811
     path = llama_path if model == "llama" else qwen3_gqa_path
     tokens1, logprobs1, prompt_logprobs1 = generate(LLM(path, **ENGINE))

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 import pytest
 
 from hitchllm import LLM
+from hitchllm.tiny_model import build_tiny_checkpoint
 
 # Every multi-process test runs under this limit (pytest-timeout is not installed: the
 # executor's own step timeout and this wall-clock check keep a broken run from hanging).
@@ -22,6 +23,15 @@ def alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+@pytest.fixture(scope="session")
+def qwen3_gqa_path(tmp_path_factory) -> str:
+    """A tiny Qwen3 with one KV head (replicated on every rank), a tied LM head and a
+    vocabulary of 515 rows (not divisible by 2: the last vocabulary partition is padded)."""
+    return str(build_tiny_checkpoint(
+        tmp_path_factory.mktemp("qwen3-gqa") / "m", "Qwen3ForCausalLM",
+        num_key_value_heads=1, vocab_size=515, tie_word_embeddings=True))
 
 
 @pytest.fixture
