@@ -7,6 +7,8 @@ import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -94,3 +96,29 @@ def _children() -> list[int]:
     import multiprocessing
 
     return [p.pid for p in multiprocessing.active_children() if p.pid is not None]
+
+
+EXIT_SCRIPT = """
+import sys
+from hitchllm import LLM, SamplingParams
+
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], dtype="float32", block_size=4, num_kv_blocks=64, max_model_len=64,
+              tensor_parallel_size=2)
+    print(*llm.engine.executor.pids, flush=True)
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2),
+                 use_tqdm=False)
+    # Exits without closing the LLM.
+"""
+
+
+def test_a_script_that_never_closes_its_engine_still_stops_the_workers_at_exit(
+        llama_path, tmp_path, only_builtin_plugins):  # noqa: F811
+    script = tmp_path / "never_closes.py"
+    script.write_text(EXIT_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), llama_path], capture_output=True,
+                          text=True, timeout=TP_TEST_TIMEOUT_S, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    pids = [int(p) for p in done.stdout.split()]
+    assert len(pids) == 2
+    assert not any(alive(pid) for pid in pids)

@@ -38,6 +38,18 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def close(self) -> None:
+        """Stop the engine's worker processes (``tensor_parallel_size > 1``); the ``LLM``
+        cannot generate afterwards. Also runs at interpreter exit; ``with LLM(...) as llm:``
+        calls it on leaving the block."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
