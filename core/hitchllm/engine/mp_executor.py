@@ -124,6 +124,9 @@ class _Workers:
 
     processes: list[BaseProcess] = field(default_factory=list)
     conns: list[Connection] = field(default_factory=list)
+    # The rendezvous store (its server thread runs in the driver), dropped once the workers
+    # are gone rather than at interpreter teardown.
+    store: dist.TCPStore | None = None
 
     def stop(self) -> None:
         """Ask every worker to stop; terminate, then kill, those still running after a
@@ -143,7 +146,7 @@ class _Workers:
                 process.join()
         for conn in self.conns:
             conn.close()
-        self.processes, self.conns = [], []
+        self.processes, self.conns, self.store = [], [], None
 
 
 class _StepFuture:
@@ -173,8 +176,9 @@ class MultiprocExecutor(Executor):
         self._workers = _Workers()
         self._finalizer = weakref.finalize(self, self._workers.stop)
         # The rendezvous store lives in the driver: its port is chosen when it binds.
-        self._store = dist.TCPStore(_HOST, 0, self.world_size + 1, is_master=True,
-                                    wait_for_workers=False)
+        store = dist.TCPStore(_HOST, 0, self.world_size + 1, is_master=True,
+                              wait_for_workers=False)
+        self._workers.store = store
         context = mp.get_context("spawn")
         num_threads = max(1, torch.get_num_threads() // self.world_size)
         try:
@@ -183,7 +187,7 @@ class MultiprocExecutor(Executor):
                 process = context.Process(
                     target=_worker_main, name=f"hitchllm-tp{r}",
                     args=(setup, ParallelRank(tp_rank=r, tp_size=self.world_size), theirs,
-                          self._store.port, num_threads))
+                          store.port, num_threads))
                 process.start()
                 theirs.close()  # the worker holds it now; our copy would hide its exit
                 self._workers.processes.append(process)
