@@ -10,7 +10,9 @@ Each step the driver pickles the ``StepPlan`` once (plain data: ids, token ids, 
 sampling parameters; no tensors) and writes the bytes to every worker's pipe. Every rank runs
 the step; rank 0 answers with its ``RunnerOutput`` (plain lists), every other rank with a
 digest of its sampled tokens, checked against rank 0's. The driver does not wait when it
-launches a step, so it schedules the next step while the workers compute this one.
+launches a step, so it schedules the next step while the workers compute this one; a worker
+answers a step once it has launched the next (its device is never idle while it prepares a
+step) or when the driver asks for the answer (``flush``: no next step is coming first).
 
 Failures: while it waits for answers the driver also watches every worker's process: a worker
 that exits is reported by rank at once, and ranks that do not answer within
@@ -46,7 +48,7 @@ from hitchllm import distributed
 from hitchllm.attention import KVCacheSpec
 from hitchllm.distributed import ParallelRank
 from hitchllm.engine.executor import Executor, RunnerOutputFuture, WorkerFailedError
-from hitchllm.engine.runner_output import RunnerOutput
+from hitchllm.engine.runner_output import PendingOutput, RunnerOutput
 from hitchllm.engine.worker import Worker, WorkerSetup, output_digest
 from hitchllm.logger import init_logging
 from hitchllm.scheduler.step_plan import StepPlan
@@ -98,23 +100,51 @@ def _worker_main(
 
 
 def _serve(worker: Worker, conn: Connection) -> None:
+    """Answer the driver's calls in order. A step is answered once the next step has been
+    launched (so the device computes one step while this process prepares the next, as under
+    async scheduling in one process) or when the driver asks for it (``flush``)."""
+    in_flight: PendingOutput | None = None
+
+    def answer_in_flight() -> None:
+        nonlocal in_flight
+        if in_flight is not None:
+            pending, in_flight = in_flight, None
+            conn.send(_step_answer(worker, pending))
+
     while True:
         try:
             method, args = pickle.loads(conn.recv_bytes())
         except EOFError:
             return  # the driver is gone
+        if method == "execute_model":
+            try:
+                launched = worker.launch_step(*args)
+            except Exception as exc:
+                answer_in_flight()
+                conn.send(_exception_reply(exc))
+                continue
+            answer_in_flight()
+            in_flight = launched
+            continue
+        answer_in_flight()
+        if method == "flush":
+            continue
         if method == "shutdown":
             conn.send(("ok", None))
             return
         try:
-            if method == "execute_model":
-                output = worker.execute_model(*args)
-                value: Any = output if worker.rank.global_rank == 0 else output_digest(output)
-            else:
-                value = getattr(worker, method)(*args)
-            conn.send(("ok", value))
+            conn.send(("ok", getattr(worker, method)(*args)))
         except Exception as exc:
             conn.send(_exception_reply(exc))
+
+
+def _step_answer(worker: Worker, pending: PendingOutput) -> tuple[Any, ...]:
+    """Rank 0's output of a step, or another rank's digest of it (or the step's error)."""
+    try:
+        output = pending.result()
+    except Exception as exc:
+        return _exception_reply(exc)
+    return "ok", output if worker.rank.global_rank == 0 else output_digest(output)
 
 
 @dataclass
@@ -128,13 +158,13 @@ class _Workers:
     # are gone rather than at interpreter teardown.
     store: dist.TCPStore | None = None
 
-    def stop(self) -> None:
-        """Ask every worker to stop; terminate, then kill, those still running after a
-        grace period; close the pipes. Idempotent."""
+    def stop(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
+        """Ask every worker to stop; terminate, then kill, those still running after
+        ``grace_s``; close the pipes. Idempotent."""
         for conn in self.conns:
             with contextlib.suppress(OSError):  # that worker is gone already
                 conn.send_bytes(pickle.dumps(("shutdown", ())))
-        deadline = time.monotonic() + SHUTDOWN_GRACE_S
+        deadline = time.monotonic() + grace_s
         for process in self.processes:
             process.join(max(0.0, deadline - time.monotonic()))
         for process in self.processes:
@@ -171,6 +201,7 @@ class MultiprocExecutor(Executor):
         self.world_size = config.tensor_parallel_size
         self.step_timeout_s = config.worker_step_timeout_s
         self._launched = 0  # steps sent to the workers
+        self._flushed = False  # whether the workers were asked to answer the last one
         self._collected = 0  # steps whose answers were read
         self._outputs: dict[int, RunnerOutput] = {}
         self._workers = _Workers()
@@ -274,6 +305,8 @@ class MultiprocExecutor(Executor):
 
     def _fail(self, message: str, rank: int | None) -> None:
         logger.error("%s; stopping every worker", message)
+        # The others are likely stuck in a collective with the failed rank: no grace period.
+        self._workers.stop(grace_s=0.0)
         self.close()
         raise WorkerFailedError(message + "; the engine cannot go on", rank)
 
@@ -306,11 +339,16 @@ class MultiprocExecutor(Executor):
                              "tensor-parallel workers yet")
         self._send("execute_model", step)
         self._launched += 1
+        self._flushed = False
         return _StepFuture(self, self._launched - 1)
 
     def _step_output(self, index: int) -> RunnerOutput:
         """Step ``index``'s output; reads the answers of earlier steps first (those not asked
         for by then are dropped: steps complete in launch order)."""
+        if index == self._launched - 1 and not self._flushed:
+            # No later step will make the workers answer this one: ask for it.
+            self._send("flush")
+            self._flushed = True
         while self._collected <= index:
             step = self._collected
             self._collected += 1  # read even when it raises: the next answers are the next step's

@@ -32,7 +32,7 @@ from hitchllm.distributed import ParallelRank
 from hitchllm.engine.cuda_graphs import default_capture_sizes
 from hitchllm.engine.kv_sizing import MemorySnapshot, cuda_kv_cache_bytes
 from hitchllm.engine.model_runner import ModelRunner
-from hitchllm.engine.runner_output import RunnerOutput
+from hitchllm.engine.runner_output import PendingOutput, RunnerOutput
 from hitchllm.logits_processor import LogitsProcessor
 from hitchllm.models import fused
 from hitchllm.models.loader import load_model
@@ -85,7 +85,7 @@ def plugin_logits_processors(
 
 class Worker:
     """One rank: ``load_model``, ``build_runner`` (or ``load`` for both), then the runner's
-    set-up calls and one ``execute_model`` per step.
+    set-up calls and one ``launch_step`` per step.
 
     ``logits_processors`` are the engine's own when the worker runs in its process; a worker
     in another process builds its own from the plugins (with its own tokenizer), so that
@@ -184,9 +184,11 @@ class Worker:
         return cuda_kv_cache_bytes(self.device, self.memory_at_start,
                                    self.runner.measure_peak_memory(), gpu_memory_utilization)
 
-    def execute_model(self, plan: StepPlan) -> RunnerOutput:
-        """Run one step to completion (every rank's request states advance)."""
-        return self.runner.execute(plan)
+    def launch_step(self, plan: StepPlan) -> PendingOutput:
+        """Launch one step; its ``result()`` waits for it and advances this rank's request
+        states. A next step may be launched first (its pending tokens are read on the
+        device), as the engine does in one process under async scheduling."""
+        return self.runner.execute_async(plan)
 
 
 def output_digest(output: RunnerOutput) -> int:
