@@ -1,10 +1,11 @@
 """The multiprocess executor: one worker process per tensor-parallel rank on this host.
 
 Start-up: the engine's process (the driver) opens the rendezvous store of the process group
-and spawns one process per rank (``spawn``: no forked CUDA or thread state). Each joins the
-group (NCCL on CUDA, gloo on the CPU), loads its shard of the model through the weight
-loaders, builds its runner (``hitchllm.engine.worker.Worker``) and reports ready or its error.
-The driver never loads the model: it keeps the tokenizer, the scheduler and the KV manager.
+and spawns one process per rank (``spawn``: no forked CUDA or thread state), which runs
+``hitchllm.engine.worker_process.worker_main``: it joins the group (NCCL on CUDA, gloo on the
+CPU), loads its shard of the model through the weight loaders, builds its runner
+(``hitchllm.engine.worker.Worker``) and reports ready or its error. The driver never loads
+the model: it keeps the tokenizer, the scheduler and the KV manager.
 
 Each step the driver pickles the ``StepPlan`` once (plain data: ids, token ids, block ids,
 sampling parameters; no tensors) and writes the bytes to every worker's pipe. Every rank runs
@@ -33,7 +34,6 @@ import logging
 import multiprocessing as mp
 import pickle
 import time
-import traceback
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -44,107 +44,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hitchllm import distributed
 from hitchllm.attention import KVCacheSpec
 from hitchllm.distributed import ParallelRank
 from hitchllm.engine.executor import Executor, RunnerOutputFuture, WorkerFailedError
-from hitchllm.engine.runner_output import PendingOutput, RunnerOutput
-from hitchllm.engine.worker import Worker, WorkerSetup, output_digest
-from hitchllm.logger import init_logging
+from hitchllm.engine.runner_output import RunnerOutput
+from hitchllm.engine.worker import WorkerSetup, output_digest
+from hitchllm.engine.worker_process import HOST, SETUP_TIMEOUT_S, worker_main
 from hitchllm.scheduler.step_plan import StepPlan
 
-logger = logging.getLogger(__name__)
-
-# Start-up and set-up calls (loading a shard, profiling memory, capturing graphs, compiling)
-# may take minutes; only a worker that dies is detected sooner.
-SETUP_TIMEOUT_S = 3600.0
 # How long ``close`` waits for workers to stop by themselves before terminating them.
 SHUTDOWN_GRACE_S = 5.0
-_HOST = "127.0.0.1"
 
-
-def _exception_reply(exc: BaseException) -> tuple[str, BaseException, str]:
-    """``("error", exception, traceback)``; an exception that cannot be pickled travels as a
-    ``RuntimeError`` with its type and message."""
-    text = "".join(traceback.format_exception(exc))
-    try:
-        pickle.dumps(exc)
-    except Exception:
-        exc = RuntimeError(f"{type(exc).__name__}: {exc}")
-    return "error", exc, text
-
-
-def _worker_main(
-    setup: WorkerSetup, rank: ParallelRank, conn: Connection, store_port: int,
-    num_threads: int,
-) -> None:
-    """A worker process: join the group, load the shard, then answer calls until told to
-    stop or until the driver's end of the pipe closes."""
-    init_logging()
-    if rank.global_rank:  # one copy of the start-up log is enough
-        logging.getLogger("hitchllm").setLevel(logging.WARNING)
-    torch.set_num_threads(num_threads)
-    try:
-        store = dist.TCPStore(_HOST, store_port, is_master=False)
-        worker = Worker(setup, rank)
-        worker.init_distributed(store, SETUP_TIMEOUT_S)
-        worker.load()
-        conn.send(("ok", worker.runner.kv_cache_specs))
-    except BaseException as exc:
-        conn.send(_exception_reply(exc))
-        return
-    try:
-        _serve(worker, conn)
-    finally:
-        distributed.destroy_distributed()
-
-
-def _serve(worker: Worker, conn: Connection) -> None:
-    """Answer the driver's calls in order. A step is answered once the next step has been
-    launched (so the device computes one step while this process prepares the next, as under
-    async scheduling in one process) or when the driver asks for it (``flush``)."""
-    in_flight: PendingOutput | None = None
-
-    def answer_in_flight() -> None:
-        nonlocal in_flight
-        if in_flight is not None:
-            pending, in_flight = in_flight, None
-            conn.send(_step_answer(worker, pending))
-
-    while True:
-        try:
-            method, args = pickle.loads(conn.recv_bytes())
-        except EOFError:
-            return  # the driver is gone
-        if method == "execute_model":
-            try:
-                launched = worker.launch_step(*args)
-            except Exception as exc:
-                answer_in_flight()
-                conn.send(_exception_reply(exc))
-                continue
-            answer_in_flight()
-            in_flight = launched
-            continue
-        answer_in_flight()
-        if method == "flush":
-            continue
-        if method == "shutdown":
-            conn.send(("ok", None))
-            return
-        try:
-            conn.send(("ok", getattr(worker, method)(*args)))
-        except Exception as exc:
-            conn.send(_exception_reply(exc))
-
-
-def _step_answer(worker: Worker, pending: PendingOutput) -> tuple[Any, ...]:
-    """Rank 0's output of a step, or another rank's digest of it (or the step's error)."""
-    try:
-        output = pending.result()
-    except Exception as exc:
-        return _exception_reply(exc)
-    return "ok", output if worker.rank.global_rank == 0 else output_digest(output)
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -207,7 +118,7 @@ class MultiprocExecutor(Executor):
         self._workers = _Workers()
         self._finalizer = weakref.finalize(self, self._workers.stop)
         # The rendezvous store lives in the driver: its port is chosen when it binds.
-        store = dist.TCPStore(_HOST, 0, self.world_size + 1, is_master=True,
+        store = dist.TCPStore(HOST, 0, self.world_size + 1, is_master=True,
                               wait_for_workers=False)
         self._workers.store = store
         context = mp.get_context("spawn")
@@ -216,7 +127,7 @@ class MultiprocExecutor(Executor):
             for r in range(self.world_size):
                 ours, theirs = context.Pipe()
                 process = context.Process(
-                    target=_worker_main, name=f"hitchllm-tp{r}",
+                    target=worker_main, name=f"hitchllm-tp{r}",
                     args=(setup, ParallelRank(tp_rank=r, tp_size=self.world_size), theirs,
                           store.port, num_threads))
                 process.start()
