@@ -165,9 +165,10 @@ class MultiprocExecutor(Executor):
         answers: list[Any] = [None] * self.world_size
         errors: list[tuple[int, BaseException, str]] = []
         deadline = time.monotonic() + timeout_s
-        sentinels = [p.sentinel for p in self._workers.processes]
+        processes = self._workers.processes
         while pending and not (errors and fail_fast):
-            ready = wait([*pending.values(), *sentinels],
+            # A rank that answered and then exited is reported by the next call.
+            ready = wait([*pending.values(), *(processes[r].sentinel for r in pending)],
                          timeout=max(0.0, deadline - time.monotonic()))
             for rank, conn in list(pending.items()):
                 if conn not in ready:
