@@ -20,7 +20,7 @@ from tp_support import (  # noqa: F401
 
 from hitchllm import LLM, SamplingParams
 
-PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 47)), [300, 7, 7, 7, 9, 12, 200, 5, 1]]
+PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 47)), [300, 7, 7, 7, 9, 12, 200, 5, 1], [40, 41, 42]]
 MAX_TOKENS = 10
 # fp32, chunked prefill (the 37-token prompt takes three steps).
 ENGINE = dict(dtype="float32", block_size=4, num_kv_blocks=64, max_model_len=96,
@@ -40,6 +40,10 @@ def params() -> list[SamplingParams]:
         # checks) and match one process.
         SamplingParams(temperature=1.0, top_k=50, seed=7, max_tokens=MAX_TOKENS,
                        ignore_eos=True, logprobs=2),
+        # Logits processors (each worker builds its own, with its own tokenizer) and a
+        # penalty (the engine then waits for each step's tokens before the next).
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                       repetition_penalty=1.3, logit_bias={7: 5.0}, bad_words=["engine"]),
     ]
 
 
@@ -79,6 +83,7 @@ def test_tp2_generates_what_tp1_generates(model, llama_path, qwen3_gqa_path,  # 
     assert time.monotonic() - start < TP_TEST_TIMEOUT_S
     assert tokens2 == tokens1
     assert all(len(t) == MAX_TOKENS for t in tokens2)
+    assert 7 in tokens2[3]  # the logit bias bites (in the workers too, or TP=1 would differ)
     for a, b in zip(logprobs1 + prompt_logprobs1, logprobs2 + prompt_logprobs2):
         assert_logprobs_close(a, b)
     # Greedy rows against transformers.
