@@ -123,13 +123,15 @@ class MultiprocExecutor(Executor):
         self._workers.store = store
         context = mp.get_context("spawn")
         num_threads = max(1, torch.get_num_threads() // self.world_size)
+        # Calls each rank has read from its pipe (shared memory, written by the workers).
+        self._calls_taken = context.RawArray("q", self.world_size)
         try:
             for r in range(self.world_size):
                 ours, theirs = context.Pipe()
                 process = context.Process(
                     target=worker_main, name=f"hitchllm-tp{r}",
                     args=(setup, ParallelRank(tp_rank=r, tp_size=self.world_size), theirs,
-                          store.port, num_threads))
+                          store.port, num_threads, self._calls_taken))
                 process.start()
                 theirs.close()  # the worker holds it now; our copy would hide its exit
                 self._workers.processes.append(process)
@@ -186,11 +188,7 @@ class MultiprocExecutor(Executor):
                 break
             self._check_alive(pending)
             if not ready:
-                ranks = ", ".join(str(r) for r in pending)
-                self._fail(f"tensor-parallel rank(s) {ranks} did not answer {what} within "
-                           f"{timeout_s:g} s (hung, or waiting in a collective for a rank that "
-                           "is); raise worker_step_timeout_s if steps are this slow",
-                           next(iter(pending)))
+                self._fail_hung(list(pending), what, timeout_s)
         if errors:
             rank, exc, text = min(errors, key=lambda e: e[0])
             if fail_fast:
@@ -199,6 +197,24 @@ class MultiprocExecutor(Executor):
                          f"{text}")
             raise exc
         return answers
+
+    def _fail_hung(self, pending: list[int], what: str, timeout_s: float) -> None:
+        """Ranks that have not even read the call are the hung ones; the others wait for
+        them in a collective. When all have read it, every silent rank is named."""
+        taken = list(self._calls_taken)
+        behind = [r for r in pending if taken[r] < max(taken)]
+        waiting = [r for r in pending if r not in behind]
+        if behind:
+            message = (f"tensor-parallel rank(s) {_names(behind)} stopped taking calls and did "
+                       f"not answer {what} within {timeout_s:g} s (hung)")
+            if waiting:
+                message += f"; rank(s) {_names(waiting)} wait for them in a collective"
+        else:
+            message = (f"tensor-parallel rank(s) {_names(pending)} did not answer {what} "
+                       f"within {timeout_s:g} s (hung, or waiting in a collective for a rank "
+                       "that is)")
+        self._fail(message + "; raise worker_step_timeout_s if steps are this slow",
+                   (behind or pending)[0])
 
     def _check_running(self) -> None:
         if not self._workers.conns:
@@ -284,3 +300,6 @@ class MultiprocExecutor(Executor):
         """The worker processes' ids, rank order (empty once closed)."""
         return [p.pid for p in self._workers.processes if p.pid is not None]
 
+
+def _names(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks)

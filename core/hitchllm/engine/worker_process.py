@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import pickle
 import traceback
+from collections.abc import MutableSequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -45,10 +46,12 @@ def exception_reply(exc: BaseException) -> tuple[str, BaseException, str]:
 
 def worker_main(
     setup: WorkerSetup, rank: ParallelRank, conn: Connection, store_port: int,
-    num_threads: int,
+    num_threads: int, calls_taken: MutableSequence[int],
 ) -> None:
     """A worker process: join the group, load the shard, then answer calls until told to
-    stop or until the driver's end of the pipe closes."""
+    stop or until the driver's end of the pipe closes. ``calls_taken[rank]`` (shared memory)
+    counts the calls it has read, so that the driver can tell a rank that stopped taking
+    calls from ranks waiting for it in a collective."""
     init_logging()
     if rank.global_rank:  # one copy of the start-up log is enough
         logging.getLogger("hitchllm").setLevel(logging.WARNING)
@@ -63,12 +66,12 @@ def worker_main(
         conn.send(exception_reply(exc))
         return
     try:
-        serve(worker, conn)
+        serve(worker, conn, calls_taken)
     finally:
         distributed.destroy_distributed()
 
 
-def serve(worker: Worker, conn: Connection) -> None:
+def serve(worker: Worker, conn: Connection, calls_taken: MutableSequence[int]) -> None:
     """Answer the driver's calls in order. A step is answered once the next step has been
     launched (so the device computes one step while this process prepares the next, as under
     async scheduling in one process) or when the driver asks for it (``flush``)."""
@@ -85,6 +88,7 @@ def serve(worker: Worker, conn: Connection) -> None:
             method, args = pickle.loads(conn.recv_bytes())
         except EOFError:
             return  # the driver is gone
+        calls_taken[worker.rank.global_rank] += 1
         if method == "execute_model":
             try:
                 launched = worker.launch_step(*args)
