@@ -43,11 +43,12 @@ def only_builtin_plugins(monkeypatch):
 
 @contextmanager
 def tp_llm(path: str, **kwargs) -> Iterator[LLM]:
-    """An ``LLM`` whose executor is closed on the way out, with every worker process gone."""
+    """An ``LLM`` used as a context manager (which closes it), with every worker process
+    checked gone afterwards."""
     llm = LLM(path, **kwargs)
     pids = list(getattr(llm.engine.executor, "pids", []))
     try:
-        yield llm
+        with llm:
+            yield llm
     finally:
-        llm.engine.close()
         assert not [pid for pid in pids if alive(pid)], "a worker process outlived close()"
