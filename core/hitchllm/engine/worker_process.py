@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import signal
 import traceback
 from collections.abc import MutableSequence
 from multiprocessing.connection import Connection
@@ -52,6 +53,9 @@ def worker_main(
     stop or until the driver's end of the pipe closes. ``calls_taken[rank]`` (shared memory)
     counts the calls it has read, so that the driver can tell a rank that stopped taking
     calls from ranks waiting for it in a collective."""
+    # Ctrl-C in a terminal reaches the whole process group: the driver decides when workers
+    # stop (it tells them, or its pipe closes), not a traceback in every worker.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     init_logging()
     if rank.global_rank:  # one copy of the start-up log is enough
         logging.getLogger("hitchllm").setLevel(logging.WARNING)
