@@ -7,6 +7,8 @@ with status 1, so that an orchestrator (systemd, Kubernetes) restarts it.
 from __future__ import annotations
 
 import logging
+import signal
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -76,6 +78,9 @@ def serve(
     logger.info("serving %s on http://%s:%d/v1 (OpenAI-compatible)", ", ".join(names), host, port)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                            timeout_graceful_shutdown=5))
+    # uvicorn re-raises SIGTERM once it has shut down gracefully: with the default handler the
+    # process would die there, before ``shutdown`` stops the engine (and its worker processes).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         server.run()
     finally:
