@@ -70,7 +70,8 @@ def check_tensor_parallel(
             raise ValueError(
                 f"tensor_parallel_size={tp} needs {tp} GPUs (one per rank) but {visible} "
                 f"{'is' if visible == 1 else 'are'} visible; lower tensor_parallel_size to at "
-                f"most {visible}, or make more cards visible (CUDA_VISIBLE_DEVICES)")
+                f"most {visible}, make more cards visible (CUDA_VISIBLE_DEVICES), or run the "
+                "ranks as CPU processes with device='cpu'")
         if not dist.is_nccl_available():
             raise ValueError(
                 "tensor parallelism on CUDA needs NCCL, which this PyTorch build lacks; "
