@@ -67,7 +67,9 @@ def test_more_ranks_than_gpus_is_refused(llama_path, model_config, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ValueError, match="tensor_parallel_size=2 needs 2 GPUs .one per rank. "
                                          "but 1 is visible; lower tensor_parallel_size to at "
-                                         "most 1, or make more cards visible"):
+                                         "most 1, make more cards visible .CUDA_VISIBLE_DEVICES.,"
+                                         " or run the ranks as CPU processes with "
+                                         "device='cpu'"):
         check_tensor_parallel(cuda_config(llama_path), model_config, torch.device("cuda"))
 
 
