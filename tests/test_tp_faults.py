@@ -45,7 +45,8 @@ def test_a_killed_worker_fails_the_engine_naming_its_rank(llama_path,
             llm.engine.step()
         os.kill(pids[1], signal.SIGKILL)
         error, took = step_until_error(llm, TP_TEST_TIMEOUT_S)
-        assert "rank 1" in str(error) and "died (killed by signal 9)" in str(error)
+        assert re.search(r"tensor-parallel rank 1 \(pid \d+\) died in .+ \(killed by signal 9\)",
+                         str(error)), str(error)
         assert error.rank == 1
         assert took < 10
         # The executor stopped every worker; the engine refuses further steps.
@@ -124,3 +125,24 @@ def test_a_script_that_never_closes_its_engine_still_stops_the_workers_at_exit(
     pids = [int(p) for p in done.stdout.split()]
     assert len(pids) == 2
     assert not any(alive(pid) for pid in pids)
+
+
+UNGUARDED_SCRIPT = """
+import sys
+from hitchllm import LLM
+
+LLM(sys.argv[1], dtype="float32", block_size=4, num_kv_blocks=64, max_model_len=64,
+    tensor_parallel_size=2)
+"""
+
+
+def test_a_script_without_a_main_guard_is_told_to_add_one(llama_path, tmp_path,
+                                                          only_builtin_plugins):  # noqa: F811
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), llama_path], capture_output=True,
+                          text=True, timeout=TP_TEST_TIMEOUT_S, cwd=tmp_path)
+    assert done.returncode != 0
+    assert "WorkerFailedError: tensor-parallel rank" in done.stderr
+    assert "died in start-up" in done.stderr
+    assert 'needs an `if __name__ == "__main__":` guard' in done.stderr

@@ -153,7 +153,7 @@ class MultiprocExecutor(Executor):
             try:
                 conn.send_bytes(payload)
             except OSError as exc:
-                self._check_alive(range(self.world_size))
+                self._check_alive(range(self.world_size), f"sending {method}")
                 self._fail(f"could not reach tensor-parallel rank {rank}: {exc}", rank)
 
     def _receive(self, what: str, timeout_s: float, fail_fast: bool = False) -> list[Any]:
@@ -186,7 +186,7 @@ class MultiprocExecutor(Executor):
                     errors.append((rank, value[0], value[1]))
             if errors and fail_fast:
                 break
-            self._check_alive(pending)
+            self._check_alive(pending, what)
             if not ready:
                 self._fail_hung(list(pending), what, timeout_s)
         if errors:
@@ -221,15 +221,19 @@ class MultiprocExecutor(Executor):
             raise WorkerFailedError("the tensor-parallel workers are stopped (the executor "
                                     "was closed or a worker failed); start a new engine")
 
-    def _check_alive(self, ranks: Iterable[int]) -> None:
+    def _check_alive(self, ranks: Iterable[int], what: str) -> None:
         """Fail if one of ``ranks`` has exited."""
         for rank in ranks:
             process = self._workers.processes[rank]
             code = process.exitcode
             if code is not None:
                 how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-                self._fail(f"tensor-parallel rank {rank} (pid {process.pid}) died ({how})",
-                           rank)
+                hint = ("; its error is printed above (a script that builds the engine when it "
+                        "is imported needs an `if __name__ == \"__main__\":` guard: workers "
+                        "start with spawn, which imports the main module)"
+                        if what == "start-up" else "")
+                self._fail(f"tensor-parallel rank {rank} (pid {process.pid}) died in {what} "
+                           f"({how}){hint}", rank)
 
     def _fail(self, message: str, rank: int | None) -> None:
         logger.error("%s; stopping every worker", message)
