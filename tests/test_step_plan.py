@@ -96,9 +96,6 @@ class PicklingExecutor(Executor):
     def kv_cache_specs(self):
         return self.inner.kv_cache_specs
 
-    def measure_peak_memory(self) -> int:
-        return self.inner.measure_peak_memory()
-
     def kv_cache_bytes(self, gpu_memory_utilization: float) -> int:
         return self.inner.kv_cache_bytes(gpu_memory_utilization)
 

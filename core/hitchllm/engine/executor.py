@@ -52,13 +52,10 @@ class Executor(abc.ABC):
         tensor parallelism, each runner's share)."""
 
     @abc.abstractmethod
-    def measure_peak_memory(self) -> int:
-        """Peak device bytes of a worst-case step (the largest over the runners)."""
-
-    @abc.abstractmethod
     def kv_cache_bytes(self, gpu_memory_utilization: float) -> int:
         """CUDA: the bytes each runner may give its KV cache, ``gpu_memory_utilization`` of
-        its card less what its process needs at its peak (the smallest over the runners)."""
+        its card less what its process needs at the peak of a profiled worst-case step (the
+        smallest over the runners)."""
 
     @abc.abstractmethod
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -90,9 +87,6 @@ class InProcessExecutor(Executor):
     @property
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         return self.runner.kv_cache_specs
-
-    def measure_peak_memory(self) -> int:
-        return self.runner.measure_peak_memory()
 
     def kv_cache_bytes(self, gpu_memory_utilization: float) -> int:
         return self.worker.kv_cache_bytes(gpu_memory_utilization)

@@ -253,9 +253,6 @@ class MultiprocExecutor(Executor):
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         return self._kv_cache_specs
 
-    def measure_peak_memory(self) -> int:
-        return max(self._call("measure_peak_memory"))
-
     def kv_cache_bytes(self, gpu_memory_utilization: float) -> int:
         return min(self._call("kv_cache_bytes", gpu_memory_utilization))
 

@@ -166,9 +166,6 @@ class Worker:
 
     # ---- the runner's set-up and steps -------------------------------------------------
 
-    def measure_peak_memory(self) -> int:
-        return self.runner.measure_peak_memory()
-
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
 
