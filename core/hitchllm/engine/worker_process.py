@@ -71,6 +71,8 @@ def worker_main(
         return
     try:
         serve(worker, conn, calls_taken)
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the driver is gone: nobody is left to answer
     finally:
         distributed.destroy_distributed()
 
