@@ -196,11 +196,11 @@ def test_world_size_one_is_a_plain_matmul_without_collectives(monkeypatch):
 
 
 def test_more_than_one_rank_refuses_to_return_partial_results(monkeypatch):
-    # The real collectives arrive with torch.distributed; until then a world of 2 must fail
-    # loudly rather than return one rank's partial sum.
+    # A pretend world of 2 has no process group: a collective must fail loudly rather than
+    # return one rank's partial sum.
     monkeypatch.undo()  # the real collectives, not the fixture's local ones
-    with distributed.tensor_parallel(0, 2), pytest.raises(NotImplementedError,
-                                                          match="torch.distributed"):
+    with distributed.tensor_parallel(0, 2), pytest.raises(RuntimeError,
+                                                          match="outside a process group"):
         RowParallelLinear(4, 2)(randn(1, 2))
 
 

@@ -32,7 +32,7 @@ from hitchllm.attention import (
     kernel_reasons,
 )
 from hitchllm.config import EngineConfig, EngineConfigError
-from hitchllm.engine import llm_engine
+from hitchllm.engine import worker
 from hitchllm.entrypoints.backends_table import print_backends
 from hitchllm.entrypoints.cli import build_parser, engine_kwargs
 from hitchllm.plugins import get_plugin_registry
@@ -105,7 +105,7 @@ def test_fp8_kv_cache_without_the_plugin_names_the_package(llama_path, monkeypat
     with monkeypatch.context() as patch, pytest.raises(
             ValueError, match=r"kv_cache_dtype='fp8_e5m2' needs the hitchllm-quantization "
             r"plugin.*pip install hitchllm-quantization"):
-        patch.setattr(llm_engine, "load_model", no_load)
+        patch.setattr(worker, "load_model", no_load)
         engine(llama_path, kv_cache_dtype="fp8_e5m2")
     assert engine(llama_path).engine.kv_cache_dtype == torch.float32  # auto needs no plugin
 

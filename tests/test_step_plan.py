@@ -96,8 +96,8 @@ class PicklingExecutor(Executor):
     def kv_cache_specs(self):
         return self.inner.kv_cache_specs
 
-    def measure_peak_memory(self) -> int:
-        return self.inner.measure_peak_memory()
+    def kv_cache_bytes(self, gpu_memory_utilization: float) -> int:
+        return self.inner.kv_cache_bytes(gpu_memory_utilization)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.inner.initialize_kv_cache(num_blocks)

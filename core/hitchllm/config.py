@@ -163,6 +163,14 @@ class EngineConfig(BaseModel):
     async_scheduling: bool = True
     # Decode batch sizes to capture (default: 1, 2, 4, 8, 16, ... up to max_num_seqs).
     cuda_graph_sizes: list[int] | None = None
+    # Tensor parallelism: every layer's weights, attention heads and KV cache split over this
+    # many ranks, one worker process each (one GPU each on CUDA, gloo processes on the CPU).
+    tensor_parallel_size: int = Field(1, ge=1)
+    # Where the workers run: "mp", processes on this host (the default); "ray" comes later.
+    distributed_executor_backend: Literal["mp", "ray"] | None = None
+    # Tensor parallelism: seconds to wait for a worker's answer to one step before the engine
+    # declares it hung and stops (a worker that dies is detected at once).
+    worker_step_timeout_s: float = Field(300.0, gt=0)
 
     @field_validator("dtype")
     @classmethod

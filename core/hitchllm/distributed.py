@@ -1,67 +1,158 @@
-"""Tensor-parallel rank and world size, and the collectives the parallel layers call.
+"""Parallel ranks and world sizes, the process group, and the collectives the layers call.
 
-Until the tensor-parallel issue brings ``torch.distributed``, every process is rank 0 of a world
-of 1, and the layers in ``hitchllm.layers`` take their world-size-1 path (no collective, no
-extra copy). The layers read the rank and world size when they are constructed, so a test can
-build the layers of each rank of a pretend world inside ``tensor_parallel(rank, world_size)``
-and check their slicing without any process group.
+A process that never calls ``init_distributed`` is rank 0 of a world of 1, and the layers in
+``hitchllm.layers`` take their world-size-1 path (no collective, no extra copy). A worker of a
+tensor-parallel engine calls ``init_distributed`` once at start-up, before it builds its model:
+that joins the ``torch.distributed`` process group (gloo on CPU, NCCL on CUDA) and sets the
+rank and world size the layers read when they are constructed.
 
-``all_reduce`` and ``all_gather`` are the hook points where the tensor-parallel issue plugs in
-the real collectives; outside a world of 1 they refuse, so a layer never silently returns a
-partial result.
+The group is the tensor-parallel group. Pipeline parallelism will add a stage rank and size
+(``pp_rank``, ``pp_world_size``) and one tensor-parallel group per stage; until then every
+worker is stage 0 of 1, and the tensor-parallel group is the whole world.
+
+``tensor_parallel(rank, world_size)`` pretends to be one rank of a world without any process
+group, so that a test can build each rank's layers and check their slicing; a collective
+called there refuses, so a layer never silently returns a partial result.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
-_rank = 0
-_world_size = 1
+
+@dataclass(frozen=True)
+class ParallelRank:
+    """Where one worker sits: its tensor-parallel rank and size, and (for pipeline
+    parallelism, not built yet) its stage and the number of stages."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"rank {self.tp_rank} is outside a world of size {self.tp_size}")
+        if not 0 <= self.pp_rank < self.pp_size:
+            raise ValueError(f"stage {self.pp_rank} is outside {self.pp_size} pipeline stages")
+
+    @property
+    def global_rank(self) -> int:
+        """The rank in the whole world (stage-major: a stage's TP ranks are consecutive)."""
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+
+_state = ParallelRank()
+# The tensor-parallel process group once ``init_distributed`` ran; None in a pretend world.
+_tp_group: dist.ProcessGroup | None = None
 
 
 def tp_rank() -> int:
     """This process's rank in its tensor-parallel group."""
-    return _rank
+    return _state.tp_rank
 
 
 def tp_world_size() -> int:
     """How many processes share each layer's weights."""
-    return _world_size
+    return _state.tp_size
+
+
+def pp_rank() -> int:
+    """This process's pipeline stage (always 0 until pipeline parallelism exists)."""
+    return _state.pp_rank
+
+
+def pp_world_size() -> int:
+    """The number of pipeline stages (always 1 until pipeline parallelism exists)."""
+    return _state.pp_size
+
+
+def backend_for(device: torch.device) -> str:
+    """The ``torch.distributed`` backend for tensors on ``device``: NCCL on CUDA, else gloo."""
+    return "nccl" if device.type == "cuda" else "gloo"
 
 
 @contextmanager
 def tensor_parallel(rank: int, world_size: int) -> Iterator[None]:
     """Pretend to be ``rank`` of ``world_size`` while layers are built (tests of the slicing)."""
-    global _rank, _world_size
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is outside a world of size {world_size}")
-    previous = _rank, _world_size
-    _rank, _world_size = rank, world_size
+    global _state
+    previous = _state
+    _state = ParallelRank(tp_rank=rank, tp_size=world_size)
     try:
         yield
     finally:
-        _rank, _world_size = previous
+        _state = previous
 
 
-def _no_collectives(what: str) -> NotImplementedError:
-    return NotImplementedError(
-        f"{what} across {_world_size} ranks needs torch.distributed, which hitchllm does not set "
-        "up yet: tensor parallelism is not available"
+def init_distributed(
+    rank: ParallelRank, device: torch.device, store: dist.Store, timeout_s: float
+) -> None:
+    """Join the process group through ``store`` (every rank of the world calls this) and
+    become ``rank``. Collectives that wait longer than ``timeout_s`` for a peer fail."""
+    global _state, _tp_group
+    if rank.pp_size != 1:
+        raise NotImplementedError("pipeline parallelism is not available yet (pp_size must be 1)")
+    if dist.is_initialized():
+        raise RuntimeError("this process already belongs to a torch.distributed process group")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend_for(device), store=store, rank=rank.global_rank, world_size=rank.world_size,
+        timeout=timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None,
     )
+    _state = rank
+    _tp_group = dist.group.WORLD
+
+
+def destroy_distributed() -> None:
+    """Leave the process group (a no-op when this process never joined one)."""
+    global _state, _tp_group
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _state, _tp_group = ParallelRank(), None
+
+
+def _group() -> dist.ProcessGroup:
+    if _tp_group is None:
+        raise RuntimeError(
+            f"a collective across {_state.tp_size} tensor-parallel ranks was called outside a "
+            "process group (inside ``tensor_parallel`` only the layers' slicing can be tested)"
+        )
+    return _tp_group
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """The sum of ``x`` over the tensor-parallel group (row-parallel outputs)."""
-    if _world_size == 1:
+    """The sum of ``x`` over the tensor-parallel group (row-parallel outputs), in place.
+
+    On NCCL this is queued on the current stream without a host sync, so it is captured into
+    CUDA graphs with the rest of the forward."""
+    if _state.tp_size == 1:
         return x
-    raise _no_collectives("summing partial outputs")
+    dist.all_reduce(x, group=_group())
+    return x
 
 
 def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Every rank's ``x`` concatenated along ``dim`` in rank order (column-parallel outputs)."""
-    if _world_size == 1:
+    world = _state.tp_size
+    if world == 1:
         return x
-    raise _no_collectives("gathering output shards")
+    dim = dim % x.dim()
+    # Gathered along dimension 0 (every backend's form), then moved: [world * m, ..., n, ...]
+    # -> [..., world * n, ...], rank r's block r-th along ``dim``.
+    gathered = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_single(gathered, x.contiguous(), group=_group())
+    stacked = gathered.view(world, *x.shape)
+    return stacked.movedim(0, dim).reshape(*x.shape[:dim], world * x.shape[dim],
+                                           *x.shape[dim + 1:])

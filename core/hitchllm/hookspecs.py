@@ -131,7 +131,9 @@ def hitchllm_speculative_proposers() -> dict[str, type[Proposer]]:
 @hookspec
 def hitchllm_model_loaded(model: torch.nn.Module, engine_config: EngineConfig) -> None:
     """Called once per engine right after the model's weights are loaded, before the KV cache
-    is allocated.
+    is allocated. With tensor parallelism it is called in every worker process, with that
+    rank's shard of the model (``hitchllm.distributed.tp_rank()`` tells which) and a copy of
+    the engine's config.
 
     Use it to wrap layers (e.g. the LoRA plugin replaces linear layers with adapter-aware ones).
     Changes are made in place; the return value is ignored.
@@ -170,7 +172,8 @@ def hitchllm_logits_processors(
 ) -> list[LogitsProcessor]:
     """Return the logits processors this plugin provides for one engine.
 
-    Called once per engine, after the model is loaded. ``tokenizer`` is the engine's Hugging
+    Called once per engine (with tensor parallelism, also once in every worker process, whose
+    runner applies its own processors alike). ``tokenizer`` is the engine's Hugging
     Face tokenizer, ``vocab_size`` the width of the logits (the model's vocabulary, which may
     exceed the tokenizer's), ``eos_token_ids`` the ids that end a sequence. Return instances
     of ``hitchllm.logits_processor.LogitsProcessor``; build nothing expensive here (a grammar

@@ -20,7 +20,7 @@ def replica_environments(config: EngineConfig, num_replicas: int) -> list[dict[s
                              "choose the GPUs with CUDA_VISIBLE_DEVICES")
         import torch
 
-        group = (getattr(config, "tensor_parallel_size", 1)
+        group = (config.tensor_parallel_size
                  * getattr(config, "pipeline_parallel_size", 1))
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         devices = ([d.strip() for d in visible.split(",") if d.strip()] if visible

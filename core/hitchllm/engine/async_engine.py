@@ -160,8 +160,10 @@ class AsyncLLMEngine:
         self._commands.put(_Abort(request_id))
 
     def shutdown(self) -> None:
+        """Stop the engine thread, then the engine's worker processes (if any)."""
         self._commands.put(None)
         self._thread.join(timeout=30)
+        self.engine.close()
 
     # ---- the engine thread -------------------------------------------------------------
 

@@ -8,7 +8,9 @@ requests (token 0 at position 0, slot -1 so nothing is written, context length 0
 
 Graphs read their inputs from the model runner's persistent buffers (``StepBuffers``) and the
 attention backend's persistent metadata (see ``CudaGraphSupport``), so replay needs no
-re-capture. All graphs share one memory pool; the largest is captured first.
+re-capture. All graphs share one memory pool; the largest is captured first. With tensor
+parallelism the forward's all-reduces (NCCL, on the current stream, no host sync) are part of
+the graphs.
 
 With a backend that supports it (``CudaGraphSupport.UNIFORM_BATCH``), batches where every
 request has the same number ``q > 1`` of new tokens (a request's newest token and its K drafts)
@@ -25,6 +27,7 @@ from collections.abc import Callable
 
 import torch
 
+from hitchllm import distributed
 from hitchllm.attention import AttentionBackend, CudaGraphSupport
 
 logger = logging.getLogger(__name__)
@@ -66,6 +69,10 @@ class DecodeGraphs:
         """
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
+        # With tensor parallelism the forward's all-reduces are captured too, while the NCCL
+        # process group's watchdog thread keeps polling its events: only this thread's calls
+        # must be capture-safe.
+        mode = "thread_local" if distributed.tp_world_size() > 1 else "global"
         # Largest token count first: later graphs reuse its memory from the shared pool.
         keys = sorted(((s, q) for q, sizes in self._sizes.items() for s in sizes),
                       key=lambda k: -k[0] * k[1])
@@ -74,7 +81,7 @@ class DecodeGraphs:
             forward(*key)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
                 self._outputs[key] = forward(*key)
             self._graphs[key] = graph
         torch.cuda.synchronize()

@@ -2,8 +2,9 @@
 
 The engine hands an executor plain data (a ``StepPlan``, a number of KV blocks) and gets
 plain data back (a ``RunnerOutput``), so the runners may live in this process, in worker
-processes (torch.distributed) or on Ray actors. The in-process executor is the one the core
-ships; distributed executors implement the same interface.
+processes (torch.distributed) or on Ray actors. The in-process executor runs one
+``Worker`` in the engine's process; the multiprocess executor (``hitchllm.engine.mp_executor``)
+runs one per tensor-parallel rank in worker processes.
 """
 
 from __future__ import annotations
@@ -14,7 +15,18 @@ from typing import Protocol
 from hitchllm.attention import KVCacheSpec
 from hitchllm.engine.model_runner import ModelRunner
 from hitchllm.engine.runner_output import RunnerOutput
+from hitchllm.engine.worker import Worker
 from hitchllm.scheduler.step_plan import StepPlan
+
+
+class WorkerFailedError(RuntimeError):
+    """A worker of a distributed executor died, hung or failed: the engine cannot go on.
+
+    ``rank`` is the failed worker's rank (None when no single rank is to blame)."""
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
 
 
 class RunnerOutputFuture(Protocol):
@@ -28,8 +40,9 @@ class RunnerOutputFuture(Protocol):
 class Executor(abc.ABC):
     """Runs step plans on the model runner(s) of one engine.
 
-    Set-up order, as for a runner: ``measure_peak_memory`` (CUDA, to size the KV cache),
-    ``initialize_kv_cache``, then ``capture_cuda_graphs`` when graphs are wanted.
+    Set-up order, as for a runner: ``kv_cache_bytes`` (CUDA, to size the KV cache),
+    ``initialize_kv_cache``, then ``capture_cuda_graphs`` when graphs are wanted. ``close``
+    releases what the executor holds (worker processes); the engine calls it when it closes.
     """
 
     @property
@@ -39,8 +52,10 @@ class Executor(abc.ABC):
         tensor parallelism, each runner's share)."""
 
     @abc.abstractmethod
-    def measure_peak_memory(self) -> int:
-        """Peak device bytes of a worst-case step (the largest over the runners)."""
+    def kv_cache_bytes(self, gpu_memory_utilization: float) -> int:
+        """CUDA: the bytes each runner may give its KV cache, ``gpu_memory_utilization`` of
+        its card less what its process needs at the peak of a profiled worst-case step (the
+        smallest over the runners)."""
 
     @abc.abstractmethod
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -55,19 +70,26 @@ class Executor(abc.ABC):
         """Launch ``step`` on every runner and return at once; the future's ``result()``
         gives the step's output. Steps run in the order they are launched."""
 
+    def close(self) -> None:  # noqa: B027 (nothing to release in-process)
+        """Release the runners (stop worker processes); later calls do nothing."""
+
 
 class InProcessExecutor(Executor):
-    """One model runner in the engine's own process."""
+    """One worker (rank 0 of a world of 1) in the engine's own process."""
 
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self.worker.runner
 
     @property
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         return self.runner.kv_cache_specs
 
-    def measure_peak_memory(self) -> int:
-        return self.runner.measure_peak_memory()
+    def kv_cache_bytes(self, gpu_memory_utilization: float) -> int:
+        return self.worker.kv_cache_bytes(gpu_memory_utilization)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)

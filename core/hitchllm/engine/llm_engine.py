@@ -12,21 +12,24 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from hitchllm.attention import FP8_DTYPES, Attention, AttentionSpec, bytes_per_shared_block
+from hitchllm.attention import FP8_DTYPES, AttentionSpec, bytes_per_shared_block
 from hitchllm.attention.selector import select_attention_backend
 from hitchllm.config import EngineConfig, ModelConfig, parse_size
-from hitchllm.engine.cuda_graphs import default_capture_sizes
 from hitchllm.engine.drafting import Drafter
-from hitchllm.engine.executor import Executor, InProcessExecutor, RunnerOutputFuture
-from hitchllm.engine.kv_sizing import MemorySnapshot, cuda_kv_cache_bytes
-from hitchllm.engine.model_runner import ModelRunner
+from hitchllm.engine.executor import (
+    Executor,
+    InProcessExecutor,
+    RunnerOutputFuture,
+    WorkerFailedError,
+)
+from hitchllm.engine.mp_executor import MultiprocExecutor
 from hitchllm.engine.output_processor import OutputProcessor
+from hitchllm.engine.tensor_parallel import check_tensor_parallel, heads_per_rank
+from hitchllm.engine.worker import Worker, WorkerSetup, plugin_logits_processors
 from hitchllm.kv_cache.manager import KVCacheManager
 from hitchllm.logger import init_logging
 from hitchllm.logits_processor import LogitsProcessor
 from hitchllm.lora import LORA_PLUGIN, LoRAAdapters, LoRACounters, LoRARequest
-from hitchllm.models import fused
-from hitchllm.models.loader import load_model
 from hitchllm.outputs import RequestOutput
 from hitchllm.plugins import get_plugin_registry
 from hitchllm.request import Request, RequestStatus
@@ -41,9 +44,11 @@ logger = logging.getLogger(__name__)
 # Failed steps in a row after which the engine gives up (a broken device fails every step;
 # isolating one bad request among B takes about log2(B) + 2).
 MAX_CONSECUTIVE_STEP_FAILURES = 32
-# Errors after which the device's state cannot be trusted: the engine stops at once.
+# Errors after which the device's (or a worker's) state cannot be trusted: the engine stops
+# at once.
 _DEVICE_ERRORS: tuple[type[BaseException], ...] = tuple(
-    t for t in (getattr(torch, "AcceleratorError", None), torch.OutOfMemoryError) if t)
+    t for t in (getattr(torch, "AcceleratorError", None), torch.OutOfMemoryError,
+                WorkerFailedError) if t)
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 4 * 2**30
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
@@ -126,14 +131,16 @@ class LLMEngine:
         self.kv_cache_dtype = config.resolve_kv_cache_dtype(self.dtype)
         self._check_fp8_kv_cache_support()
         self._check_lora_support()
+        check_tensor_parallel(config, mc, self.device)
+        num_heads, num_kv_heads = heads_per_rank(mc, config.tensor_parallel_size)
         spec = AttentionSpec.for_device(
             self.device,
             dtype=self.dtype,
             kv_cache_dtype=self.kv_cache_dtype,
             # An MLA model caches one latent vector per token: its width is the "head size".
             head_size=mc.mla_latent_width or mc.head_dim,
-            num_heads=mc.num_attention_heads,
-            num_kv_heads=1 if mc.use_mla else mc.num_key_value_heads,
+            num_heads=num_heads,
+            num_kv_heads=1 if mc.use_mla else num_kv_heads,
             block_size=config.block_size,
             use_mla=mc.use_mla,
             sliding_window=mc.sliding_window,
@@ -143,49 +150,33 @@ class LLMEngine:
         )
         logger.info("Using attention backend %s", self.attention_backend.name)
 
-        cuda = self.device.type == "cuda"
-        memory_at_start = MemorySnapshot.take(self.device) if cuda else None
-        fused.set_fusion(config.enable_fusion)
-        model = load_model(mc, self.registry, self.device, self.dtype, config.quantization)
-        self.registry.hook.hitchllm_model_loaded(model=model, engine_config=config)
-        self.registry.hook.hitchllm_kv_cache_scales(
-            model=model, model_config=mc, engine_config=config,
-            kv_cache_dtype=self.kv_cache_dtype)
-        self._report_unused_kv_scales(model)
         max_num_tokens = config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
-        self.logits_processors: list[LogitsProcessor] = [
-            processor
-            for result in self.registry.hook.hitchllm_logits_processors(
-                engine_config=config, tokenizer=self.tokenizer, vocab_size=mc.vocab_size,
-                eos_token_ids=self.eos_token_ids)
-            for processor in result or []
-        ]
-        self.proposer = self._build_proposer(model)
-        runner = ModelRunner(
-            model, self.attention_backend, spec, config.max_num_seqs, max_num_tokens,
-            self.max_model_len, mc.vocab_size, self.device, config.seed,
-            before_forward=self.registry.hook.hitchllm_before_forward,
-            cuda_graph_sizes=config.cuda_graph_sizes
-            or default_capture_sizes(min(config.max_num_seqs, max_num_tokens)),
-            logits_processors=self.logits_processors,
-            keep_hidden_states=self.proposer is not None and self.proposer.needs_hidden_states,
+        self.logits_processors: list[LogitsProcessor] = plugin_logits_processors(
+            self.registry, config, self.tokenizer, mc.vocab_size, self.eos_token_ids)
+        setup = WorkerSetup(
+            config=config, model_config=mc, device=self.device, dtype=self.dtype,
+            kv_cache_dtype=self.kv_cache_dtype, spec=spec,
+            attention_backend=self.attention_backend, max_model_len=self.max_model_len,
+            max_num_tokens=max_num_tokens, eos_token_ids=self.eos_token_ids,
             # Verification steps where every request has K drafts run from graphs too.
-            graph_query_lens=(1,) if self.proposer is None
+            graph_query_lens=(1,) if config.speculative_method is None
             else (1, 1 + config.num_speculative_tokens),
         )
-        self.executor: Executor = InProcessExecutor(runner)
-        self.num_kv_blocks = self._num_kv_blocks(memory_at_start)
-        self.executor.initialize_kv_cache(self.num_kv_blocks)
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d, so at most %.2f "
-            "requests of full length at once; device %s, %s, KV cache %s",
-            self.num_kv_blocks, config.block_size, self.kv_capacity_tokens, self.max_model_len,
-            self.kv_capacity_tokens / self.max_model_len, self.device,
-            str(self.dtype).removeprefix("torch."),
-            str(self.kv_cache_dtype).removeprefix("torch."),
-        )
-        if not config.enforce_eager:
-            self.executor.capture_cuda_graphs()
+        self.proposer: Proposer | None = None
+        if config.tensor_parallel_size > 1:
+            # The model lives in the workers; this process keeps the scheduler.
+            self.executor: Executor = MultiprocExecutor(setup)
+        else:
+            worker = Worker(setup, logits_processors=self.logits_processors)
+            self.proposer = self._build_proposer(worker.load_model())
+            worker.build_runner(keep_hidden_states=self.proposer is not None
+                                and self.proposer.needs_hidden_states)
+            self.executor = InProcessExecutor(worker)
+        try:
+            self._initialize_kv_cache()
+        except BaseException:
+            self.executor.close()  # no worker process outlives a failed start
+            raise
         self.kv_cache = KVCacheManager(
             self.num_kv_blocks, config.block_size, config.enable_prefix_caching,
             extra_keys_fn=self._block_hash_extra_keys,
@@ -215,7 +206,34 @@ class LLMEngine:
         self._in_flight: _Launched | None = None
         self._consecutive_failures = 0
 
+    def close(self) -> None:
+        """Stop the executor's worker processes (tensor parallelism); the engine cannot run
+        steps afterwards. Safe to call more than once; also runs when the engine is garbage
+        collected and at interpreter exit."""
+        executor = getattr(self, "executor", None)  # absent when __init__ failed early
+        if executor is not None:
+            executor.close()
+
+    def __del__(self) -> None:
+        self.close()
+
     # ---- set-up ------------------------------------------------------------------------
+
+    def _initialize_kv_cache(self) -> None:
+        """Size the KV cache, allocate it on every runner and capture the CUDA graphs."""
+        config = self.config
+        self.num_kv_blocks = self._num_kv_blocks()
+        self.executor.initialize_kv_cache(self.num_kv_blocks)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d, so at most %.2f "
+            "requests of full length at once; device %s, %s, KV cache %s",
+            self.num_kv_blocks, config.block_size, self.kv_capacity_tokens, self.max_model_len,
+            self.kv_capacity_tokens / self.max_model_len, self.device,
+            str(self.dtype).removeprefix("torch."),
+            str(self.kv_cache_dtype).removeprefix("torch."),
+        )
+        if not config.enforce_eager:
+            self.executor.capture_cuda_graphs()
 
     def _resolve_max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -254,20 +272,7 @@ class LLMEngine:
         raise ValueError(f"enable_lora needs the plugin {LORA_PLUGIN}, which is not "
                          f"installed: pip install {LORA_PLUGIN}")
 
-    def _report_unused_kv_scales(self, model: torch.nn.Module) -> None:
-        """Checkpoint KV-cache scales are loaded whatever the cache dtype; say so when they go
-        unused rather than ignoring them silently."""
-        if self.kv_cache_dtype in FP8_DTYPES:
-            return
-        layers = [m for m in model.modules()
-                  if isinstance(m, Attention) and m.kv_scales_from_checkpoint]
-        if layers:
-            logger.info(
-                "the checkpoint has fp8 KV-cache scales (k_scale/v_scale) for %d attention "
-                "layers; they are unused with kv_cache_dtype=%s (use --kv-cache-dtype fp8 to "
-                "serve an fp8 KV cache with them)", len(layers), self.config.kv_cache_dtype)
-
-    def _num_kv_blocks(self, memory_at_start: MemorySnapshot | None) -> int:
+    def _num_kv_blocks(self) -> int:
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
@@ -275,10 +280,8 @@ class LLMEngine:
         per_block = bytes_per_shared_block(self.executor.kv_cache_specs)
         if cfg.kv_cache_memory is not None:
             budget = parse_size(cfg.kv_cache_memory)
-        elif memory_at_start is not None:
-            budget = cuda_kv_cache_bytes(self.device, memory_at_start,
-                                         self.executor.measure_peak_memory(),
-                                         cfg.gpu_memory_utilization)
+        elif self.device.type == "cuda":
+            budget = self.executor.kv_cache_bytes(cfg.gpu_memory_utilization)
         else:
             budget = DEFAULT_CPU_KV_CACHE_MEMORY
         # More blocks than every sequence at full length could use only costs memory.

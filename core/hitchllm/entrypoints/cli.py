@@ -55,6 +55,12 @@ def add_engine_args(
     g.add_argument("--max-cpu-loras", type=int,
                    help="LoRA adapters kept in host memory (default: --max-loras)")
     g.add_argument("--device", help="auto (default), cpu or cuda[:N]")
+    g.add_argument("-tp", "--tensor-parallel-size", type=int,
+                   help="split the model over this many ranks, one worker process each (one "
+                        "GPU each on CUDA; default 1)")
+    g.add_argument("--distributed-executor-backend", choices=["mp", "ray"],
+                   help="where tensor-parallel workers run: mp (processes on this host, "
+                        "default); ray is not available yet")
     g.add_argument("--attention-backend", help="force a backend by name (see `hitchllm backends`)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--num-kv-blocks", type=int, help="exact number of KV-cache blocks")
@@ -89,7 +95,8 @@ def add_engine_args(
 ENGINE_FLAGS = ["tokenizer", "dtype", "kv_cache_dtype", "calculate_kv_scales", "quantization",
                 "speculative_method", "num_speculative_tokens", "speculative_model",
                 "prompt_lookup_min", "prompt_lookup_max", "enable_lora", "max_loras",
-                "max_lora_rank", "max_cpu_loras", "device", "attention_backend",
+                "max_lora_rank", "max_cpu_loras", "device", "tensor_parallel_size",
+                "distributed_executor_backend", "attention_backend",
                 "block_size", "num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization",
                 "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                 "enable_prefix_caching", "scheduling_policy", "seed", "enforce_eager",

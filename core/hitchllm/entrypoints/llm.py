@@ -24,7 +24,8 @@ class LLM:
     ``block_size``, ``num_kv_blocks``, ``kv_cache_memory``, ``max_model_len``, ``max_num_seqs``,
     ``max_num_batched_tokens``, ``enable_prefix_caching``, ``seed``, ...). Invalid values
     raise ``EngineConfigError`` (a ``ValueError``), one line per field; vLLM arguments hitchllm
-    does not implement yet (``tensor_parallel_size=2``, ...) are refused by name.
+    does not implement yet (``pipeline_parallel_size=2``, ...) are refused by name.
+    ``tensor_parallel_size=N`` splits the model over N worker processes (N GPUs on CUDA).
     ``enable_lora=True`` (with ``max_loras``, ``max_lora_rank``, ``max_cpu_loras``) serves
     LoRA adapters through the hitchllm-lora plugin.
     """
@@ -36,6 +37,18 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def close(self) -> None:
+        """Stop the engine's worker processes (``tensor_parallel_size > 1``); the ``LLM``
+        cannot generate afterwards. Also runs at interpreter exit; ``with LLM(...) as llm:``
+        calls it on leaving the block."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def generate(
         self,

@@ -84,7 +84,8 @@ def serve(
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                            timeout_graceful_shutdown=5))
     # uvicorn stops gracefully on SIGTERM, then raises it again: exit through Python so that
-    # the engines (replica processes) are shut down below, not left behind.
+    # the engines (replica processes, tensor-parallel workers) are shut down below, not left
+    # behind.
     signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         server.run()

@@ -1,0 +1,306 @@
+"""The multiprocess executor: one worker process per tensor-parallel rank on this host.
+
+Start-up: the engine's process (the driver) opens the rendezvous store of the process group
+and spawns one process per rank (``spawn``: no forked CUDA or thread state), which runs
+``hitchllm.engine.worker_process.worker_main``: it joins the group (NCCL on CUDA, gloo on the
+CPU), loads its shard of the model through the weight loaders, builds its runner
+(``hitchllm.engine.worker.Worker``) and reports ready or its error. The driver never loads
+the model: it keeps the tokenizer, the scheduler and the KV manager.
+
+Each step the driver pickles the ``StepPlan`` once (plain data: ids, token ids, block ids,
+sampling parameters; no tensors) and writes the bytes to every worker's pipe. Every rank runs
+the step; rank 0 answers with its ``RunnerOutput`` (plain lists), every other rank with a
+digest of its sampled tokens, checked against rank 0's. The driver does not wait when it
+launches a step, so it schedules the next step while the workers compute this one; a worker
+answers a step once it has launched the next (its device is never idle while it prepares a
+step) or when the driver asks for the answer (``flush``: no next step is coming first).
+
+Failures: while it waits for answers the driver also watches every worker's process: a worker
+that exits is reported by rank at once, and ranks that do not answer within
+``worker_step_timeout_s`` are reported as hung; either way the executor stops every worker and
+raises ``WorkerFailedError``, which ends the engine. An exception inside a rank's step is
+raised in the driver as that exception (with the rank's traceback as a note), so the engine
+treats it like a failed step of its own.
+
+Shutdown: ``close`` asks every worker to stop, then terminates (and at last kills) any that
+does not; it runs at garbage collection and at interpreter exit too. A worker whose pipe to the
+driver closes (the driver died) exits by itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import pickle
+import time
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hitchllm.attention import KVCacheSpec
+from hitchllm.distributed import ParallelRank
+from hitchllm.engine.executor import Executor, RunnerOutputFuture, WorkerFailedError
+from hitchllm.engine.runner_output import RunnerOutput
+from hitchllm.engine.worker import WorkerSetup, output_digest
+from hitchllm.engine.worker_process import HOST, SETUP_TIMEOUT_S, worker_main
+from hitchllm.scheduler.step_plan import StepPlan
+
+# How long ``close`` waits for workers to stop by themselves before terminating them.
+SHUTDOWN_GRACE_S = 5.0
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Workers:
+    """The worker processes and the driver's ends of their pipes, rank order. Kept apart
+    from the executor so that its finalizer can stop them without keeping it alive."""
+
+    processes: list[BaseProcess] = field(default_factory=list)
+    conns: list[Connection] = field(default_factory=list)
+    # The rendezvous store (its server thread runs in the driver), dropped once the workers
+    # are gone rather than at interpreter teardown.
+    store: dist.TCPStore | None = None
+
+    def stop(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
+        """Ask every worker to stop; terminate, then kill, those still running after
+        ``grace_s``; close the pipes. Idempotent."""
+        for conn in self.conns:
+            with contextlib.suppress(OSError):  # that worker is gone already
+                conn.send_bytes(pickle.dumps(("shutdown", ())))
+        deadline = time.monotonic() + grace_s
+        for process in self.processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        for process in self.processes:
+            if process.is_alive():
+                process.terminate()
+                process.join(1.0)
+            if process.is_alive():
+                process.kill()  # also ends a stopped (SIGSTOP) process
+                process.join()
+        for conn in self.conns:
+            conn.close()
+        self.processes, self.conns, self.store = [], [], None
+
+
+class _StepFuture:
+    """The output of step ``index``, read from the workers on demand."""
+
+    def __init__(self, executor: MultiprocExecutor, index: int) -> None:
+        self._executor = executor
+        self._index = index
+        self._output: RunnerOutput | None = None
+
+    def result(self) -> RunnerOutput:
+        if self._output is None:
+            self._output = self._executor._step_output(self._index)
+        return self._output
+
+
+class MultiprocExecutor(Executor):
+    """Runs each step on ``tensor_parallel_size`` worker processes (see the module doc)."""
+
+    def __init__(self, setup: WorkerSetup) -> None:
+        config = setup.config
+        self.world_size = config.tensor_parallel_size
+        self.step_timeout_s = config.worker_step_timeout_s
+        self._launched = 0  # steps sent to the workers
+        self._flushed = False  # whether the workers were asked to answer the last one
+        self._collected = 0  # steps whose answers were read
+        self._outputs: dict[int, RunnerOutput] = {}
+        self._workers = _Workers()
+        self._finalizer = weakref.finalize(self, self._workers.stop)
+        # The rendezvous store lives in the driver: its port is chosen when it binds.
+        store = dist.TCPStore(HOST, 0, self.world_size + 1, is_master=True,
+                              wait_for_workers=False)
+        self._workers.store = store
+        context = mp.get_context("spawn")
+        num_threads = max(1, torch.get_num_threads() // self.world_size)
+        # Calls each rank has read from its pipe (shared memory, written by the workers).
+        self._calls_taken = context.RawArray("q", self.world_size)
+        try:
+            for r in range(self.world_size):
+                ours, theirs = context.Pipe()
+                process = context.Process(
+                    target=worker_main, name=f"hitchllm-tp{r}",
+                    args=(setup, ParallelRank(tp_rank=r, tp_size=self.world_size), theirs,
+                          store.port, num_threads, self._calls_taken))
+                process.start()
+                theirs.close()  # the worker holds it now; our copy would hide its exit
+                self._workers.processes.append(process)
+                self._workers.conns.append(ours)
+            specs = self._receive("start-up", SETUP_TIMEOUT_S, fail_fast=True)
+        except BaseException:
+            self.close()
+            raise
+        self._kv_cache_specs: list[KVCacheSpec] = specs[0]
+        logger.info("%d tensor-parallel workers ready (pids %s)", self.world_size,
+                    ", ".join(str(p.pid) for p in self._workers.processes))
+
+    # ---- calls on every rank -----------------------------------------------------------
+
+    def _send(self, method: str, *args: Any) -> None:
+        self._check_running()
+        payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, conn in enumerate(self._workers.conns):
+            try:
+                conn.send_bytes(payload)
+            except OSError as exc:
+                self._check_alive(range(self.world_size), f"sending {method}")
+                self._fail(f"could not reach tensor-parallel rank {rank}: {exc}", rank)
+
+    def _receive(self, what: str, timeout_s: float, fail_fast: bool = False) -> list[Any]:
+        """One answer from every rank, rank order. A rank that died or does not answer in
+        ``timeout_s`` stops the executor (``WorkerFailedError``). An exception a rank raised
+        is raised here (the lowest rank's, with its traceback as a note): once every rank has
+        answered, or at once with ``fail_fast`` (set-up calls; the workers are stopped then,
+        since ranks that wait in a collective for the failed one would never answer)."""
+        self._check_running()
+        pending = dict(enumerate(self._workers.conns))
+        answers: list[Any] = [None] * self.world_size
+        errors: list[tuple[int, BaseException, str]] = []
+        deadline = time.monotonic() + timeout_s
+        processes = self._workers.processes
+        while pending and not (errors and fail_fast):
+            # A rank that answered and then exited is reported by the next call.
+            ready = wait([*pending.values(), *(processes[r].sentinel for r in pending)],
+                         timeout=max(0.0, deadline - time.monotonic()))
+            for rank, conn in list(pending.items()):
+                if conn not in ready:
+                    continue
+                try:
+                    status, *value = conn.recv()
+                except (EOFError, OSError):
+                    continue  # it died; reported below
+                del pending[rank]
+                if status == "ok":
+                    answers[rank] = value[0]
+                else:
+                    errors.append((rank, value[0], value[1]))
+            if errors and fail_fast:
+                break
+            self._check_alive(pending, what)
+            if not ready:
+                self._fail_hung(list(pending), what, timeout_s)
+        if errors:
+            rank, exc, text = min(errors, key=lambda e: e[0])
+            if fail_fast:
+                self.close()
+            exc.add_note(f"raised by tensor-parallel rank {rank} in {what}; its traceback:\n"
+                         f"{text}")
+            raise exc
+        return answers
+
+    def _fail_hung(self, pending: list[int], what: str, timeout_s: float) -> None:
+        """Ranks that have not even read the call are the hung ones; the others wait for
+        them in a collective. When all have read it, every silent rank is named."""
+        taken = list(self._calls_taken)
+        behind = [r for r in pending if taken[r] < max(taken)]
+        waiting = [r for r in pending if r not in behind]
+        if behind:
+            message = (f"tensor-parallel rank(s) {_names(behind)} stopped taking calls and did "
+                       f"not answer {what} within {timeout_s:g} s (hung)")
+            if waiting:
+                message += f"; rank(s) {_names(waiting)} wait for them in a collective"
+        else:
+            message = (f"tensor-parallel rank(s) {_names(pending)} did not answer {what} "
+                       f"within {timeout_s:g} s (hung, or waiting in a collective for a rank "
+                       "that is)")
+        self._fail(message + "; raise worker_step_timeout_s if steps are this slow",
+                   (behind or pending)[0])
+
+    def _check_running(self) -> None:
+        if not self._workers.conns:
+            raise WorkerFailedError("the tensor-parallel workers are stopped (the executor "
+                                    "was closed or a worker failed); start a new engine")
+
+    def _check_alive(self, ranks: Iterable[int], what: str) -> None:
+        """Fail if one of ``ranks`` has exited."""
+        for rank in ranks:
+            process = self._workers.processes[rank]
+            code = process.exitcode
+            if code is not None:
+                how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+                hint = ("; its error is printed above (a script that builds the engine when it "
+                        "is imported needs an `if __name__ == \"__main__\":` guard: workers "
+                        "start with spawn, which imports the main module)"
+                        if what == "start-up" else "")
+                self._fail(f"tensor-parallel rank {rank} (pid {process.pid}) died in {what} "
+                           f"({how}){hint}", rank)
+
+    def _fail(self, message: str, rank: int | None) -> None:
+        logger.error("%s; stopping every worker", message)
+        # The others are likely stuck in a collective with the failed rank: no grace period.
+        self._workers.stop(grace_s=0.0)
+        self.close()
+        raise WorkerFailedError(message + "; the engine cannot go on", rank)
+
+    def _call(self, method: str, *args: Any) -> list[Any]:
+        """Run a set-up ``method`` on every rank; every rank's answer, in rank order."""
+        self._send(method, *args)
+        return self._receive(method, SETUP_TIMEOUT_S, fail_fast=True)
+
+    # ---- the Executor interface --------------------------------------------------------
+
+    @property
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        return self._kv_cache_specs
+
+    def kv_cache_bytes(self, gpu_memory_utilization: float) -> int:
+        return min(self._call("kv_cache_bytes", gpu_memory_utilization))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._call("initialize_kv_cache", num_blocks)
+
+    def capture_cuda_graphs(self) -> None:
+        self._call("capture_cuda_graphs")
+
+    def execute_model(self, step: StepPlan) -> RunnerOutputFuture:
+        if step.draft_probs:
+            raise ValueError("draft probabilities (speculative decoding) cannot be sent to "
+                             "tensor-parallel workers yet")
+        self._send("execute_model", step)
+        self._launched += 1
+        self._flushed = False
+        return _StepFuture(self, self._launched - 1)
+
+    def _step_output(self, index: int) -> RunnerOutput:
+        """Step ``index``'s output; reads the answers of earlier steps first (those not asked
+        for by then are dropped: steps complete in launch order)."""
+        if index == self._launched - 1 and not self._flushed:
+            # No later step will make the workers answer this one: ask for it.
+            self._send("flush")
+            self._flushed = True
+        while self._collected <= index:
+            step = self._collected
+            self._collected += 1  # read even when it raises: the next answers are the next step's
+            answers = self._receive(f"step {step}", self.step_timeout_s)
+            output: RunnerOutput = answers[0]
+            digest = output_digest(output)
+            for rank, other in enumerate(answers[1:], start=1):
+                if other != digest:
+                    self._fail(f"tensor-parallel rank {rank} sampled other tokens than rank 0 "
+                               f"in step {step} (the ranks' logits differ)", rank)
+            self._outputs[step] = output
+        for old in [i for i in self._outputs if i < index]:
+            del self._outputs[old]
+        return self._outputs.pop(index)
+
+    def close(self) -> None:
+        self._finalizer()
+
+    @property
+    def pids(self) -> list[int]:
+        """The worker processes' ids, rank order (empty once closed)."""
+        return [p.pid for p in self._workers.processes if p.pid is not None]
+
+
+def _names(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
