@@ -143,6 +143,11 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+# torch 2.13 names the one-tensor all-gather all_gather_single (all_gather_into_tensor warns
+# there); torch 2.11, on the GPU machine, only has all_gather_into_tensor.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Every rank's ``x`` concatenated along ``dim`` in rank order (column-parallel outputs)."""
     world = _state.tp_size
@@ -152,7 +157,7 @@ def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     # Gathered along dimension 0 (every backend's form), then moved: [world * m, ..., n, ...]
     # -> [..., world * n, ...], rank r's block r-th along ``dim``.
     gathered = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_single(gathered, x.contiguous(), group=_group())
+    _all_gather_single(gathered, x.contiguous(), group=_group())
     stacked = gathered.view(world, *x.shape)
     return stacked.movedim(0, dim).reshape(*x.shape[:dim], world * x.shape[dim],
                                            *x.shape[dim + 1:])
