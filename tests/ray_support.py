@@ -3,6 +3,7 @@ after it, and engines whose actors are checked gone after ``close``."""
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Iterator
 
@@ -31,6 +32,23 @@ def ray_cluster() -> Iterator[object]:
         yield ray
     finally:
         ray.shutdown()
+
+
+@pytest.fixture
+def ray_test_timeout() -> Iterator[None]:
+    """Fail the test (``TimeoutError`` in the main thread) if it runs past
+    ``RAY_TEST_TIMEOUT_S``, rather than hang the suite (pytest-timeout is not installed)."""
+
+    def expire(signum, frame):
+        raise TimeoutError(f"the test ran past {RAY_TEST_TIMEOUT_S} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(RAY_TEST_TIMEOUT_S)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def wait_gone(pids: list[int], limit_s: float = 15.0) -> list[int]:

@@ -11,7 +11,14 @@ import signal
 import time
 
 import pytest
-from ray_support import CLUSTER_CPUS, RAY_TEST_TIMEOUT_S, import_ray_or_skip, ray_cluster, wait_gone  # noqa: F401
+from ray_support import (  # noqa: F401 (fixtures)
+    CLUSTER_CPUS,
+    RAY_TEST_TIMEOUT_S,
+    import_ray_or_skip,
+    ray_cluster,
+    ray_test_timeout,
+    wait_gone,
+)
 from tp_support import only_builtin_plugins  # noqa: F401
 
 from hitchllm import LLM, SamplingParams
@@ -19,6 +26,7 @@ from hitchllm.engine.executor import WorkerFailedError
 from hitchllm.engine.ray_executor import RayExecutor
 
 import_ray_or_skip()
+pytestmark = pytest.mark.usefixtures("ray_test_timeout")
 
 ENGINE = dict(dtype="float32", block_size=4, num_kv_blocks=64, max_model_len=96,
               max_num_batched_tokens=16, distributed_executor_backend="ray",
