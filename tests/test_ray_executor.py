@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import time
 
@@ -19,6 +20,7 @@ from ray_support import (  # noqa: F401 (fixtures)
     ray_test_timeout,
     wait_gone,
 )
+from safetensors.torch import load_file, save_file
 from tp_support import only_builtin_plugins  # noqa: F401
 
 from hitchllm import LLM, SamplingParams
@@ -115,3 +117,23 @@ def test_a_placement_group_the_cluster_cannot_grant_fails_in_time(ray_cluster,  
     assert "ray_placement_strategy='PACK' or 'SPREAD'" in str(info.value)
     assert time.monotonic() - start < 15
     assert placement_groups_left(ray) == []
+
+
+def test_an_actor_that_fails_to_start_raises_its_error_and_frees_the_cluster(
+        ray_cluster, llama_path, tmp_path, only_builtin_plugins):  # noqa: F811
+    ray = ray_cluster
+    broken = tmp_path / "broken"
+    shutil.copytree(llama_path, broken)
+    weights = load_file(broken / "model.safetensors")
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    save_file(weights, broken / "model.safetensors")
+    with pytest.raises(ValueError, match="down_proj") as info:
+        LLM(str(broken), tensor_parallel_size=2, **ENGINE)
+    # The first rank to fail is reported (both fail alike here), with its traceback.
+    assert any(re.match(r"raised by tensor-parallel rank [01] in start-up", note)
+               and "load_named_weights" in note for note in info.value.__notes__)
+    assert placement_groups_left(ray) == []
+    deadline = time.monotonic() + 10  # the actors' CPUs go back to the cluster
+    while ray.available_resources().get("CPU") != CLUSTER_CPUS and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.available_resources().get("CPU") == CLUSTER_CPUS

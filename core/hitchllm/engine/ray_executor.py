@@ -219,10 +219,11 @@ class RayExecutor(Executor):
             ready, _ = ray.wait(list(pending), num_returns=1,
                                 timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
-                self._fail(f"tensor-parallel rank(s) {_names(sorted(pending.values()))} did "
-                           f"not answer {what} within {timeout_s:g} s (hung, or waiting in a "
-                           "collective for a rank that is); raise worker_step_timeout_s if "
-                           "steps are this slow", min(pending.values()))
+                silent = sorted(pending.values())
+                self._fail(f"tensor-parallel rank(s) {_names(silent)} did not answer {what} "
+                           f"within {timeout_s:g} s (hung, or waiting in a collective for a "
+                           "rank that is); raise worker_step_timeout_s if steps are this slow",
+                           silent[0] if len(silent) == 1 else None)
             for ref in ready:
                 rank = pending.pop(ref)
                 try:
