@@ -5,6 +5,7 @@ leaves no actor and no placement group behind."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -101,6 +102,33 @@ def test_a_killed_actor_fails_the_engine_naming_its_rank(ray_cluster, llama_path
         with pytest.raises(WorkerFailedError, match="stopped"):
             llm.engine.step()
     assert wait_gone(pids) == []
+    assert placement_groups_left(ray) == []
+
+
+def test_a_hung_actor_fails_the_engine_after_the_step_timeout(ray_cluster, llama_path,  # noqa: F811
+                                                              only_builtin_plugins):  # noqa: F811
+    ray = ray_cluster
+    with LLM(llama_path, tensor_parallel_size=2, **dict(ENGINE, worker_step_timeout_s=2)) as llm:
+        pids = llm.engine.executor.pids
+        params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+        llm.engine.add_request({"prompt_token_ids": [1, 2, 3, 4]}, params)
+        llm.engine.step()
+        os.kill(pids[1], signal.SIGSTOP)  # alive but never answers; rank 0 waits for it
+        start = time.monotonic()
+        try:
+            with pytest.raises(WorkerFailedError) as info:
+                while time.monotonic() - start < RAY_TEST_TIMEOUT_S:
+                    llm.engine.step()
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pids[1], signal.SIGCONT)
+        took = time.monotonic() - start
+        # Rank 0 waits for rank 1 in the all-reduce: neither answers, neither alone is blamed.
+        assert re.search(r"tensor-parallel rank\(s\) 0, 1 did not answer step \d+ within 2 s "
+                         r"\(hung, or waiting in a collective", str(info.value)), str(info.value)
+        assert info.value.rank is None
+        assert 2 <= took < 12
+    assert wait_gone(pids) == []  # the stopped actor was killed too
     assert placement_groups_left(ray) == []
 
 
