@@ -47,7 +47,12 @@ from hitchllm.scheduler.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
 
-INSTALL_HINT = "pip install 'hitchllm[ray]'"
+# What else to try when a strict placement strategy is not granted.
+_STRATEGY_HINTS = {
+    "STRICT_PACK": ", or place ranks on several nodes with ray_placement_strategy='PACK' or "
+                   "'SPREAD'",
+    "STRICT_SPREAD": ", or let nodes hold several ranks with ray_placement_strategy='SPREAD'",
+}
 
 
 def import_ray() -> ModuleType:
@@ -57,8 +62,8 @@ def import_ray() -> ModuleType:
     except ImportError as exc:
         raise ImportError(
             "distributed_executor_backend='ray' needs Ray, which is not installed: "
-            f"{INSTALL_HINT} (or use distributed_executor_backend='mp', worker processes "
-            "on this host)") from exc
+            "pip install 'hitchllm[ray]' (or use distributed_executor_backend='mp', worker "
+            "processes on this host)") from exc
     return ray
 
 
@@ -140,6 +145,7 @@ class RayExecutor(Executor):
         self._answers: dict[int, list[Any]] = {}  # refs to each step's answers, rank order
         self._collected = 0  # steps whose answers were read
         self._outputs: dict[int, RunnerOutput] = {}
+        self._pids: list[int] = []  # the actors' process ids, rank order
         self._state = _Actors(ray)
         self._finalizer = weakref.finalize(self, self._state.stop)
         on_gpu = setup.device.type == "cuda"
@@ -157,9 +163,8 @@ class RayExecutor(Executor):
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         group, placement_group_bundle_index=r),
                 ).remote(setup, ParallelRank(tp_rank=r, tp_size=self.world_size), env))
-            self._pids: list[int] = self._gather(
-                [a.pid.remote() for a in self._state.actors], "start-up", SETUP_TIMEOUT_S,
-                fail_fast=True, plain=True)
+            self._pids = self._gather([a.pid.remote() for a in self._state.actors],
+                                      "start-up", SETUP_TIMEOUT_S, plain=True)
             host, port = self._gather([self._state.actors[0].rendezvous_address.remote()],
                                       "start-up", SETUP_TIMEOUT_S, plain=True)[0]
             specs = self._gather([a.start.remote(host, port) for a in self._state.actors],
@@ -188,16 +193,14 @@ class RayExecutor(Executor):
                 for node in ray.nodes() if node.get("Alive")]
             total = ray.cluster_resources().get(resource, 0)
             available = ray.available_resources().get(resource, 0)
+            hint = _STRATEGY_HINTS.get(strategy, "")
             raise RuntimeError(
                 f"the Ray cluster did not grant tensor_parallel_size={self.world_size} "
                 f"bundles of {{{resource!r}: 1}} (placement strategy {strategy}) within "
                 f"{timeout_s:g} s: it has {total:g} {resource} in total, {available:g} "
                 f"free now (per node: {'; '.join(per_node)}). Add nodes or free "
-                f"{resource}s, lower tensor_parallel_size"
-                + (", or place ranks on several nodes with ray_placement_strategy='PACK' or "
-                   "'SPREAD'" if strategy.startswith("STRICT_PACK") else "")
-                + (" (or raise ray_placement_timeout_s when the cluster grows by itself)")
-            ) from None
+                f"{resource}s, lower tensor_parallel_size{hint} (or raise "
+                "ray_placement_timeout_s when the cluster grows by itself)") from None
         return group
 
     # ---- calls on every rank -----------------------------------------------------------
@@ -249,8 +252,7 @@ class RayExecutor(Executor):
         return answers
 
     def _pid(self, rank: int) -> int | str:
-        pids = getattr(self, "_pids", None)
-        return pids[rank] if pids else "unknown"
+        return self._pids[rank] if self._pids else "unknown"
 
     def _fail(self, message: str, rank: int | None) -> None:
         logger.error("%s; stopping every actor", message)
