@@ -50,8 +50,6 @@ def test_the_engine_refuses_before_starting_any_worker(llama_path):
     before = multiprocessing.active_children()
     with pytest.raises(ValueError, match="does not divide the model's 4 attention heads"):
         LLM(llama_path, tensor_parallel_size=3)
-    with pytest.raises(ValueError, match="'ray' is not available yet; use 'mp'"):
-        LLM(llama_path, tensor_parallel_size=2, distributed_executor_backend="ray")
     with pytest.raises(ValueError, match=r"speculative decoding \(speculative_method\) does "
                                          "not run with tensor_parallel_size > 1 yet"):
         LLM(llama_path, tensor_parallel_size=2, speculative_method="ngram",

@@ -166,8 +166,16 @@ class EngineConfig(BaseModel):
     # Tensor parallelism: every layer's weights, attention heads and KV cache split over this
     # many ranks, one worker process each (one GPU each on CUDA, gloo processes on the CPU).
     tensor_parallel_size: int = Field(1, ge=1)
-    # Where the workers run: "mp", processes on this host (the default); "ray" comes later.
+    # Where the workers run: "mp", processes on this host (the default); "ray", one Ray actor
+    # per rank on the hosts of a Ray cluster (the extra hitchllm[ray]; docs/distributed.md).
     distributed_executor_backend: Literal["mp", "ray"] | None = None
+    # Ray: how the ranks' placement-group bundles spread over the cluster's nodes:
+    # STRICT_PACK (all on one node), PACK (one node where they fit, else several),
+    # SPREAD (over nodes where possible), STRICT_SPREAD (one node each).
+    ray_placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = (
+        "STRICT_PACK")
+    # Ray: seconds to wait for the cluster to grant the placement group before failing.
+    ray_placement_timeout_s: float = Field(60.0, gt=0)
     # Tensor parallelism: seconds to wait for a worker's answer to one step before the engine
     # declares it hung and stops (a worker that dies is detected at once).
     worker_step_timeout_s: float = Field(300.0, gt=0)

@@ -24,6 +24,7 @@ from hitchllm.engine.executor import (
 )
 from hitchllm.engine.mp_executor import MultiprocExecutor
 from hitchllm.engine.output_processor import OutputProcessor
+from hitchllm.engine.ray_executor import RayExecutor
 from hitchllm.engine.tensor_parallel import check_tensor_parallel, heads_per_rank
 from hitchllm.engine.worker import Worker, WorkerSetup, plugin_logits_processors
 from hitchllm.kv_cache.manager import KVCacheManager
@@ -163,9 +164,12 @@ class LLMEngine:
             else (1, 1 + config.num_speculative_tokens),
         )
         self.proposer: Proposer | None = None
-        if config.tensor_parallel_size > 1:
+        if config.distributed_executor_backend == "ray":
+            # The model lives in Ray actors (at any tensor_parallel_size: Ray was asked for).
+            self.executor: Executor = RayExecutor(setup)
+        elif config.tensor_parallel_size > 1:
             # The model lives in the workers; this process keeps the scheduler.
-            self.executor: Executor = MultiprocExecutor(setup)
+            self.executor = MultiprocExecutor(setup)
         else:
             worker = Worker(setup, logits_processors=self.logits_processors)
             self.proposer = self._build_proposer(worker.load_model())

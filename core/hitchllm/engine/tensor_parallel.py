@@ -38,15 +38,13 @@ def heads_per_rank(model_config: ModelConfig, tp_size: int) -> tuple[int, int]:
 def check_tensor_parallel(
     config: EngineConfig, model_config: ModelConfig, device: torch.device
 ) -> None:
-    """Refuse a tensor-parallel configuration that cannot run: an executor backend not
-    available yet, a model whose heads or MLP do not split, features that do not run with
-    several ranks yet, too few GPUs, or no NCCL (``ValueError``, naming the fix)."""
+    """Refuse a tensor-parallel configuration that cannot run: a model whose heads or MLP do
+    not split, features that do not run with several ranks (or on Ray) yet, too few GPUs, or
+    no NCCL (``ValueError``, naming the fix). On Ray the GPUs are the cluster's, not this
+    host's: the Ray executor checks that the cluster can place every rank."""
     tp = config.tensor_parallel_size
-    if config.distributed_executor_backend == "ray":
-        raise ValueError(
-            "distributed_executor_backend='ray' is not available yet; use 'mp' (one worker "
-            "process per rank on this host), the default with tensor_parallel_size > 1")
-    if tp == 1:
+    on_ray = config.distributed_executor_backend == "ray"
+    if tp == 1 and not on_ray:
         return
     heads_per_rank(model_config, tp)
     if model_config.intermediate_size % tp:
@@ -56,9 +54,12 @@ def check_tensor_parallel(
             f"{_divisors(model_config.intermediate_size)}")
     for name, asked in (("speculative decoding (speculative_method)", config.speculative_method),
                         ("LoRA (enable_lora)", config.enable_lora)):
-        if asked:
+        if asked and tp > 1:
             raise ValueError(f"{name} does not run with tensor_parallel_size > 1 yet; use "
                              "tensor_parallel_size=1 or turn it off")
+        if asked:
+            raise ValueError(f"{name} does not run on Ray workers yet; use "
+                             "distributed_executor_backend='mp' or turn it off")
     if device.type == "cuda":
         if device.index is not None:
             raise ValueError(
@@ -66,7 +67,7 @@ def check_tensor_parallel(
                 f"rank r on cuda:r; use device='cuda' and choose the cards with "
                 "CUDA_VISIBLE_DEVICES")
         visible = torch.cuda.device_count()
-        if visible < tp:
+        if visible < tp and not on_ray:
             raise ValueError(
                 f"tensor_parallel_size={tp} needs {tp} GPUs (one per rank) but {visible} "
                 f"{'is' if visible == 1 else 'are'} visible; lower tensor_parallel_size to at "

@@ -89,16 +89,18 @@ class Worker:
 
     ``logits_processors`` are the engine's own when the worker runs in its process; a worker
     in another process builds its own from the plugins (with its own tokenizer), so that
-    each rank edits its logits alike.
+    each rank edits its logits alike. ``device`` overrides ``setup.device_for(rank)`` where
+    the rank's card is known otherwise (a Ray actor sees only its own card, as ``cuda:0``).
     """
 
     def __init__(
         self, setup: WorkerSetup, rank: ParallelRank | None = None,
         logits_processors: list[LogitsProcessor] | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.setup = setup
         self.rank = rank or ParallelRank()
-        self.device = setup.device_for(self.rank)
+        self.device = device or setup.device_for(self.rank)
         self.registry = get_plugin_registry()
         self._logits_processors = logits_processors
         self.memory_at_start: MemorySnapshot | None = None

@@ -60,7 +60,14 @@ def add_engine_args(
                         "GPU each on CUDA; default 1)")
     g.add_argument("--distributed-executor-backend", choices=["mp", "ray"],
                    help="where tensor-parallel workers run: mp (processes on this host, "
-                        "default); ray is not available yet")
+                        "default) or ray (actors on a Ray cluster's nodes; needs "
+                        "hitchllm[ray])")
+    g.add_argument("--ray-placement-strategy",
+                   choices=["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"],
+                   help="ray: how ranks spread over the cluster's nodes (default STRICT_PACK: "
+                        "all on one node)")
+    g.add_argument("--ray-placement-timeout-s", type=float,
+                   help="ray: seconds to wait for the cluster to place every rank (default 60)")
     g.add_argument("--attention-backend", help="force a backend by name (see `hitchllm backends`)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--num-kv-blocks", type=int, help="exact number of KV-cache blocks")
@@ -96,7 +103,8 @@ ENGINE_FLAGS = ["tokenizer", "dtype", "kv_cache_dtype", "calculate_kv_scales", "
                 "speculative_method", "num_speculative_tokens", "speculative_model",
                 "prompt_lookup_min", "prompt_lookup_max", "enable_lora", "max_loras",
                 "max_lora_rank", "max_cpu_loras", "device", "tensor_parallel_size",
-                "distributed_executor_backend", "attention_backend",
+                "distributed_executor_backend", "ray_placement_strategy",
+                "ray_placement_timeout_s", "attention_backend",
                 "block_size", "num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization",
                 "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                 "enable_prefix_caching", "scheduling_policy", "seed", "enforce_eager",
