@@ -24,6 +24,7 @@ from hitchllm.engine.executor import (
 )
 from hitchllm.engine.mp_executor import MultiprocExecutor
 from hitchllm.engine.output_processor import OutputProcessor
+from hitchllm.engine.pipeline_parallel import check_pipeline_parallel
 from hitchllm.engine.tensor_parallel import check_tensor_parallel, heads_per_rank
 from hitchllm.engine.worker import Worker, WorkerSetup, plugin_logits_processors
 from hitchllm.kv_cache.manager import KVCacheManager
@@ -131,6 +132,7 @@ class LLMEngine:
         self.kv_cache_dtype = config.resolve_kv_cache_dtype(self.dtype)
         self._check_fp8_kv_cache_support()
         self._check_lora_support()
+        check_pipeline_parallel(config, mc, self.device, self.registry)
         check_tensor_parallel(config, mc, self.device)
         num_heads, num_kv_heads = heads_per_rank(mc, config.tensor_parallel_size)
         spec = AttentionSpec.for_device(
@@ -163,7 +165,7 @@ class LLMEngine:
             else (1, 1 + config.num_speculative_tokens),
         )
         self.proposer: Proposer | None = None
-        if config.tensor_parallel_size > 1:
+        if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
             # The model lives in the workers; this process keeps the scheduler.
             self.executor: Executor = MultiprocExecutor(setup)
         else:
@@ -202,7 +204,10 @@ class LLMEngine:
         self._request_counter = itertools.count()
         # Overlap: the launched step whose tokens are not folded in yet (see ``step``).
         # (On a CPU the step is done when launched; overlapping changes nothing but the order.)
-        self._overlap = config.async_scheduling and self.proposer is None
+        # Not with pipeline stages: the first stage needs each step's tokens on the host (the
+        # driver sends them with the next plan), so every step completes before the next.
+        self._overlap = (config.async_scheduling and self.proposer is None
+                         and config.pipeline_parallel_size == 1)
         self._in_flight: _Launched | None = None
         self._consecutive_failures = 0
 
