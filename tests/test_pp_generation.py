@@ -43,7 +43,7 @@ def params() -> list[SamplingParams]:
         # A penalty and logits processors read the output so far: the last stage's request
         # states must hold every earlier token.
         SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
-                       repetition_penalty=1.3, logit_bias={7: 5.0}, bad_words=["engine"]),
+                       repetition_penalty=1.3, logit_bias={7: 30.0}, bad_words=["engine"]),
     ]
 
 
