@@ -5,14 +5,18 @@ its own copy of the embedding there). Each stage is built in ``distributed.prete
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from tp_support import only_builtin_plugins, qwen3_gqa_path  # noqa: F401
 
 from hitchllm import distributed
 from hitchllm.config import ModelConfig
 from hitchllm.distributed import ParallelRank
+from hitchllm.models import loader
 from hitchllm.models.loader import load_model
 from hitchllm.models.pipeline import StageLayout, stage_layers
 from hitchllm.plugins import get_plugin_registry
@@ -67,14 +71,45 @@ def test_checkpoint_names_a_stage_holds():
         assert (first.holds(name), last.holds(name)) == (on_first, on_last), name
 
 
-def test_each_stage_holds_only_its_layers(tmp_path):
+class RecordingSafeOpen:
+    """``safe_open`` that records the names of the tensors read."""
+
+    read: ClassVar[list[str]] = []
+
+    def __init__(self, *args, **kwargs) -> None:
+        self._file = safe_open(*args, **kwargs)
+
+    def __enter__(self):
+        self._f = self._file.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._file.__exit__(*exc)
+
+    def keys(self):
+        return self._f.keys()
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        self.read.append(name)
+        return self._f.get_tensor(name)
+
+
+def test_each_stage_holds_only_its_layers(tmp_path, monkeypatch):
     path = str(build_tiny_checkpoint(tmp_path / "m", "LlamaForCausalLM", num_hidden_layers=3))
     ckpt = load_file(f"{path}/model.safetensors")
     full = set(dict(stage_model(path, ParallelRank()).named_parameters()))
+    monkeypatch.setattr(loader, "safe_open", RecordingSafeOpen)
     names = []
     for s in range(2):
+        RecordingSafeOpen.read = []
         model = stage_model(path, ParallelRank(pp_rank=s, pp_size=2))
         params = dict(model.named_parameters())
+        # The stage reads only its tensors from the checkpoint (stacked q/k/v and gate/up
+        # are read as the checkpoint's separate tensors).
+        read_layers = {int(n.split(".")[2]) for n in RecordingSafeOpen.read
+                       if n.startswith("model.layers.")}
+        assert read_layers == ({0, 1} if s == 0 else {2})
+        assert ("model.embed_tokens.weight" in RecordingSafeOpen.read) == (s == 0)
         names.append(set(params))
         layers = {int(n.split(".")[2]) for n in params if n.startswith("model.layers.")}
         assert layers == ({0, 1} if s == 0 else {2})

@@ -285,13 +285,10 @@ class LlamaForCausalLM(nn.Module):
         fp8 KV-cache scales (``self_attn.k_scale``, ``self_attn.k_proj.output_scale``, ...)
         load into the layer's ``Attention`` when present."""
         tied = self.config.tie_word_embeddings
-        stage = self.model.stage
 
         def skip(name: str) -> bool:
-            if self._head_from_embedding and name == _EMBEDDING:
-                return False
             return ("rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight")
-                    or not stage.holds(name))
+                    or not self.wants_checkpoint_tensor(name))
 
         def rename(name: str) -> str | None:
             if self._head_from_embedding and name == _EMBEDDING:
@@ -303,6 +300,12 @@ class LlamaForCausalLM(nn.Module):
             description=f"{type(self).__name__} ({self.config.architecture})",
             rename=rename, route=self.ROUTE,
         )
+
+    def wants_checkpoint_tensor(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` belongs to this process's pipeline stage (every
+        tensor does without pipeline parallelism); the loader reads no other."""
+        return self.model.stage.holds(name) or (self._head_from_embedding
+                                                and name == _EMBEDDING)
 
     def rename_weight(self, name: str) -> str | None:
         """The parameter name of a checkpoint tensor the model spells differently, or None."""
