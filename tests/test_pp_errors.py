@@ -53,27 +53,55 @@ def test_a_model_that_cannot_be_split_is_refused(tmp_path):
         LLM(path, pipeline_parallel_size=2, **ENGINE)
 
 
-@pytest.mark.parametrize("stage", [0, 1])
-def test_a_dead_stage_fails_the_engine_naming_its_rank(llama_path, stage,
-                                                       only_builtin_plugins):  # noqa: F811
-    """Stage 0 dies while stage 1 waits to receive its activations, or the last stage dies
-    while the driver waits for its tokens: either way the error names the dead rank."""
-    with tp_llm(llama_path, pipeline_parallel_size=2, tensor_parallel_size=1, **ENGINE) as llm:
-        pids = llm.engine.executor.pids
-        params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-        for i in range(2):
-            llm.engine.add_request({"prompt_token_ids": [1 + i, 2, 3, 4]}, params)
-        for _ in range(3):  # mid-run: requests are being decoded
+def start_decoding(llm: LLM) -> None:
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    for i in range(2):
+        llm.engine.add_request({"prompt_token_ids": [1 + i, 2, 3, 4]}, params)
+    for _ in range(3):  # mid-run: requests are being decoded
+        llm.engine.step()
+
+
+def step_until_error(llm: LLM) -> tuple[WorkerFailedError, float]:
+    start = time.monotonic()
+    with pytest.raises(WorkerFailedError) as info:
+        while time.monotonic() - start < TP_TEST_TIMEOUT_S:
             llm.engine.step()
-        os.kill(pids[stage], signal.SIGKILL)
-        start = time.monotonic()
-        with pytest.raises(WorkerFailedError) as info:
-            while time.monotonic() - start < TP_TEST_TIMEOUT_S:
-                llm.engine.step()
-        assert time.monotonic() - start < 10
-        message = str(info.value)
-        assert re.search(rf"^rank {stage} \(pipeline stage {stage}, tensor-parallel rank 0\) "
-                         r"\(pid \d+\) died in .+ \(killed by signal 9\)", message), message
-        assert info.value.rank == stage
+    return info.value, time.monotonic() - start
+
+
+def test_a_dead_stage_fails_the_engine_naming_its_rank(llama_path,
+                                                       only_builtin_plugins):  # noqa: F811
+    """Stage 0 dies while stage 1 waits to receive its activations: the error names the dead
+    rank and its stage, and every worker is stopped."""
+    with tp_llm(llama_path, pipeline_parallel_size=2, **ENGINE) as llm:
+        pids = llm.engine.executor.pids
+        start_decoding(llm)
+        os.kill(pids[0], signal.SIGKILL)
+        error, took = step_until_error(llm)
+        assert took < 10
+        assert re.search(r"^rank 0 \(pipeline stage 0, tensor-parallel rank 0\) \(pid \d+\) "
+                         r"died in .+ \(killed by signal 9\)", str(error)), str(error)
+        assert error.rank == 0
         assert llm.engine.executor.pids == []
+        assert not any(alive(pid) for pid in pids)
+
+
+def test_a_hung_stage_fails_the_engine_after_the_step_timeout(llama_path,
+                                                              only_builtin_plugins):  # noqa: F811
+    with tp_llm(llama_path, pipeline_parallel_size=2, worker_step_timeout_s=2, **ENGINE) as llm:
+        pids = llm.engine.executor.pids
+        start_decoding(llm)
+        os.kill(pids[0], signal.SIGSTOP)  # alive but never answers; stage 1 waits for it
+        try:
+            error, took = step_until_error(llm)
+        finally:
+            if alive(pids[0]):
+                os.kill(pids[0], signal.SIGCONT)
+        assert str(error).startswith(
+            "rank(s) 0 (pipeline stage 0, tensor-parallel rank 0) stopped taking calls and did "
+            "not answer step")
+        assert ("within 2 s (hung); rank(s) 1 (pipeline stage 1, tensor-parallel rank 0) wait "
+                "for them in a collective or a transfer between stages") in str(error)
+        assert error.rank == 0
+        assert 2 <= took < 12
         assert not any(alive(pid) for pid in pids)
