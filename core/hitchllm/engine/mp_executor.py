@@ -228,8 +228,7 @@ class MultiprocExecutor(Executor):
             message = (f"{self._noun}(s) {self._names(behind)} stopped taking calls and did "
                        f"not answer {what} within {timeout_s:g} s (hung)")
             if waiting:
-                message += (f"; rank(s) {self._names(waiting)} wait for them in a collective"
-                            + (" or a transfer between stages" if self.pp_size > 1 else ""))
+                message += f"; rank(s) {self._names(waiting)} wait for them in a collective"
         else:
             message = (f"{self._noun}(s) {self._names(pending)} did not answer {what} "
                        f"within {timeout_s:g} s (hung, or waiting in a collective for a rank "
