@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from itertools import islice
 from typing import ClassVar
 
 import torch
@@ -203,8 +204,8 @@ class PreNormDecoder(nn.Module):
             hidden, residual = self.embed_tokens(input_ids), None
         else:
             hidden, residual = stage.receive(input_ids.shape[0], input_ids.device)
-        layers = self.layers if stage is None else self.layers[stage.layers.start:
-                                                               stage.layers.stop]
+        layers = self.layers if stage is None else islice(self.layers, stage.layers.start,
+                                                          stage.layers.stop)
         for layer in layers:
             hidden, residual = layer(positions, hidden, residual)
         if stage is not None and not stage.is_last:
