@@ -16,6 +16,7 @@ from tp_support import TP_TEST_TIMEOUT_S, alive, only_builtin_plugins, tp_llm  #
 from hitchllm import LLM, SamplingParams
 from hitchllm.engine.executor import WorkerFailedError
 from hitchllm.entrypoints.cli import build_parser, engine_kwargs
+from hitchllm.scheduler.step_plan import NewRequestData, StepPlan
 
 ENGINE = dict(dtype="float32", block_size=4, num_kv_blocks=64, max_model_len=64)
 
@@ -85,3 +86,26 @@ def test_a_dead_stage_fails_the_engine_naming_its_rank(llama_path,
         assert llm.engine.executor.pids == []
         assert not any(alive(pid) for pid in pids)
 
+
+
+def test_a_stage_that_raises_fails_the_engine_at_once_naming_its_rank(
+        llama_path, only_builtin_plugins):  # noqa: F811
+    """A step that raises on stage 0 (a token outside the vocabulary: only stage 0 embeds)
+    never reaches stage 1, which would wait for its activations until the step timeout; the
+    executor fails at once instead, naming the rank."""
+    # Without the check, the step would end as hung after worker_step_timeout_s.
+    with tp_llm(llama_path, pipeline_parallel_size=2, worker_step_timeout_s=20,
+                **ENGINE) as llm:
+        pids = llm.engine.executor.pids
+        vocab = llm.engine.vocab_size
+        plan = StepPlan(["bad"], [3], [0], [True], [[0]], [NewRequestData(
+            "bad", [vocab + 5, 1, 2], SamplingParams(temperature=0, max_tokens=1))])
+        start = time.monotonic()
+        with pytest.raises(WorkerFailedError) as info:
+            llm.engine.executor.execute_model(plan).result()
+        assert time.monotonic() - start < 10  # not the 300 s step timeout
+        assert str(info.value).startswith(
+            "rank 0 (pipeline stage 0, tensor-parallel rank 0) raised IndexError in step ")
+        assert "the later pipeline stages wait for its activations" in str(info.value)
+        assert info.value.rank == 0
+        assert not any(alive(pid) for pid in pids)

@@ -2,9 +2,10 @@
 process does.
 
 Models: the bundled Llama (8 layers, 4 per stage; a tied LM head, so the last stage loads its
-own copy of the embedding), a tiny Qwen3 (one KV head, tied head, a vocabulary of 515 rows)
-and a tiny 3-layer Llama split unevenly (2 + 1) under preemption and chunked prefill. Greedy
-rows are also checked against Hugging Face transformers, an independent reference."""
+own copy of the embedding) with every kind of sampling, and a tiny 3-layer Qwen3 (one KV head,
+tied head, a vocabulary of 515 rows) split unevenly (2 + 1) under preemption and chunked
+prefill. Greedy rows are also checked against Hugging Face transformers, an independent
+reference."""
 
 from __future__ import annotations
 
@@ -14,12 +15,7 @@ import time
 import pytest
 from reference import hf_greedy
 from test_tp_generation import assert_logprobs_close
-from tp_support import (  # noqa: F401
-    TP_TEST_TIMEOUT_S,
-    only_builtin_plugins,
-    qwen3_gqa_path,
-    tp_llm,
-)
+from tp_support import TP_TEST_TIMEOUT_S, only_builtin_plugins, tp_llm  # noqa: F401
 
 from hitchllm import LLM, SamplingParams
 from hitchllm.bundled_model import default_model_path
@@ -54,15 +50,13 @@ def generate(llm: LLM, prompts=PROMPTS, sampling=None):
             [o.prompt_logprobs for o in outs])
 
 
-@pytest.mark.parametrize("model", ["bundled", "qwen3_gqa"])
-def test_pp2_generates_what_pp1_generates(model, qwen3_gqa_path,  # noqa: F811
-                                          only_builtin_plugins):  # noqa: F811
-    path = default_model_path() if model == "bundled" else qwen3_gqa_path
+def test_pp2_generates_what_pp1_generates(only_builtin_plugins):  # noqa: F811
+    path = default_model_path()
     tokens1, logprobs1, prompt_logprobs1 = generate(LLM(path, **ENGINE))
     start = time.monotonic()
     with tp_llm(path, pipeline_parallel_size=2, **ENGINE) as llm:
-        # Each stage caches only its layers (the bundled model's 8 split 4 + 4, Qwen3's 2).
-        assert len(llm.engine.executor.kv_cache_specs) == (4 if model == "bundled" else 1)
+        # Each stage caches only its layers (the bundled model's 8 split 4 + 4).
+        assert len(llm.engine.executor.kv_cache_specs) == 4
         assert not llm.engine._overlap  # the driver feeds each step's tokens to stage 0
         tokens2, logprobs2, prompt_logprobs2 = generate(llm)
     assert time.monotonic() - start < TP_TEST_TIMEOUT_S
@@ -76,10 +70,13 @@ def test_pp2_generates_what_pp1_generates(model, qwen3_gqa_path,  # noqa: F811
 
 def test_pp_with_an_uneven_split_under_preemption_and_chunked_prefill(
         tmp_path, only_builtin_plugins):  # noqa: F811
-    """3 layers over 2 stages (2 + 1). A KV cache of 16 blocks (64 tokens) for prompts and
-    outputs of 94 tokens: requests are preempted and resumed (every stage drops and rebuilds
-    their state from the plan), and prompts longer than the 16-token budget are chunked."""
-    path = str(build_tiny_checkpoint(tmp_path / "m", "LlamaForCausalLM", num_hidden_layers=3))
+    """A Qwen3 of 3 layers over 2 stages (2 + 1; a tied head on stage 1). A KV cache of 16
+    blocks (64 tokens) for prompts and outputs of 94 tokens: requests are preempted and
+    resumed (every stage drops and rebuilds their state from the plan), and prompts longer
+    than the 16-token budget are chunked."""
+    path = str(build_tiny_checkpoint(
+        tmp_path / "m", "Qwen3ForCausalLM", num_hidden_layers=3, num_key_value_heads=1,
+        vocab_size=515, tie_word_embeddings=True))
     engine = dict(ENGINE, num_kv_blocks=16, max_model_len=64)
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -206,6 +206,7 @@ class MultiprocExecutor(Executor):
                     errors.append((rank, value[0], value[1]))
             if errors and fail_fast:
                 break
+            self._check_stalling_stage(errors, pending, what)
             self._check_alive(pending, what)
             if not ready:
                 self._fail_hung(list(pending), what, timeout_s)
@@ -217,6 +218,18 @@ class MultiprocExecutor(Executor):
                          f"{text}")
             raise exc
         return answers
+
+    def _check_stalling_stage(self, errors: list[tuple[int, BaseException, str]],
+                              pending: dict[int, Connection], what: str) -> None:
+        """A rank of a stage before the last that raised in a step never sends its
+        activations on: the later stages would wait for them until the step timeout. Fail at
+        once, naming it (its traceback goes to the log)."""
+        for rank, exc, text in errors:
+            if not self._ranks[rank].is_last_stage and pending:
+                logger.error("%s raised in %s:\n%s", self._ranks[rank].describe(), what, text)
+                self._fail(f"{self._ranks[rank].describe()} raised {type(exc).__name__} in "
+                           f"{what} ({exc}); the later pipeline stages wait for its "
+                           "activations", rank)
 
     def _fail_hung(self, pending: list[int], what: str, timeout_s: float) -> None:
         """Ranks that have not even read the call are the hung ones; the others wait for
