@@ -10,7 +10,8 @@ Rank layout: a world of ``tp_size * pp_size`` processes, stage-major: global ran
 ``pp_rank * tp_size + tp_rank``, so the ranks of one pipeline stage are consecutive. Each
 stage has its own tensor-parallel group (the whole world when there is one stage), inside
 which the layers' all-reduce and all-gather run. Between stages, activations travel
-point-to-point (``send_to_next_stage`` / ``recv_from_previous_stage``): tensor-parallel rank
+point-to-point on the world group (``send_to_next_stage`` / ``recv_from_previous_stage``,
+by global rank): tensor-parallel rank
 ``t`` of stage ``s`` sends to tensor-parallel rank ``t`` of stage ``s + 1`` (every rank of a
 stage holds the whole, all-reduced hidden state).
 
