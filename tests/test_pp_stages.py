@@ -94,8 +94,11 @@ class RecordingSafeOpen:
         return self._f.get_tensor(name)
 
 
-def test_each_stage_holds_only_its_layers(tmp_path, monkeypatch):
-    path = str(build_tiny_checkpoint(tmp_path / "m", "LlamaForCausalLM", num_hidden_layers=3))
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3MoeForCausalLM"])
+def test_each_stage_holds_only_its_layers(tmp_path, monkeypatch, arch):
+    """3 layers over 2 stages; the mixture-of-experts member routes its experts' tensors by
+    rule, and skips other stages' experts alike."""
+    path = str(build_tiny_checkpoint(tmp_path / "m", arch, num_hidden_layers=3))
     ckpt = load_file(f"{path}/model.safetensors")
     full = set(dict(stage_model(path, ParallelRank()).named_parameters()))
     monkeypatch.setattr(loader, "safe_open", RecordingSafeOpen)
