@@ -183,7 +183,7 @@ def test_engine_config_errors_are_one_clean_line_per_field(llama_path):
 
 
 @pytest.mark.parametrize("name, value", [
-    ("pipeline_parallel_size", 2), ("trust_remote_code", True),
+    ("data_parallel_size", 2), ("trust_remote_code", True),
 ])
 def test_vllm_arguments_not_supported_yet_are_refused_by_name(llama_path, name, value):
     with pytest.raises(ValueError, match=f"^{name} is not supported yet by hitchllm"):
@@ -211,11 +211,11 @@ def test_kv_cache_dtype_flag_reaches_the_engine(llama_path, capsys):
 
 def test_cli_config_errors_are_one_line_each_with_status_2(llama_path, capsys):
     assert main(["generate", "--model", llama_path, "--prompt", "x", "--max-num-seqs", "0",
-                 "--pipeline-parallel-size", "2"]) == 2
+                 "--data-parallel-size", "2"]) == 2
     err = capsys.readouterr().err
     assert error_lines(err) == [
-        "error: pipeline_parallel_size is not supported yet by hitchllm (only "
-        "pipeline_parallel_size=1 is accepted); it runs the model on one device",
+        "error: data_parallel_size is not supported yet by hitchllm (only "
+        "data_parallel_size=1 is accepted); start one engine per replica",
         "error: max_num_seqs: Input should be greater than or equal to 1 (got 0)",
     ]
     assert main(["generate", "--model", llama_path, "--prompt", "x", "--max-tokens", "2",

@@ -166,6 +166,9 @@ class EngineConfig(BaseModel):
     # Tensor parallelism: every layer's weights, attention heads and KV cache split over this
     # many ranks, one worker process each (one GPU each on CUDA, gloo processes on the CPU).
     tensor_parallel_size: int = Field(1, ge=1)
+    # Pipeline parallelism: the decoder layers split into this many contiguous stages, one
+    # group of tensor_parallel_size worker processes each (tensor x pipeline processes).
+    pipeline_parallel_size: int = Field(1, ge=1)
     # Where the workers run: "mp", processes on this host (the default); "ray", one Ray actor
     # per rank on the hosts of a Ray cluster (the extra hitchllm[ray]; docs/distributed.md).
     distributed_executor_backend: Literal["mp", "ray"] | None = None

@@ -6,13 +6,19 @@ tensor-parallel engine calls ``init_distributed`` once at start-up, before it bu
 that joins the ``torch.distributed`` process group (gloo on CPU, NCCL on CUDA) and sets the
 rank and world size the layers read when they are constructed.
 
-The group is the tensor-parallel group. Pipeline parallelism will add a stage rank and size
-(``pp_rank``, ``pp_world_size``) and one tensor-parallel group per stage; until then every
-worker is stage 0 of 1, and the tensor-parallel group is the whole world.
+Rank layout: a world of ``tp_size * pp_size`` processes, stage-major: global rank
+``pp_rank * tp_size + tp_rank``, so the ranks of one pipeline stage are consecutive. Each
+stage has its own tensor-parallel group (the whole world when there is one stage), inside
+which the layers' all-reduce and all-gather run. Between stages, activations travel
+point-to-point on the world group (``send_to_next_stage`` / ``recv_from_previous_stage``,
+by global rank): tensor-parallel rank
+``t`` of stage ``s`` sends to tensor-parallel rank ``t`` of stage ``s + 1`` (every rank of a
+stage holds the whole, all-reduced hidden state).
 
-``tensor_parallel(rank, world_size)`` pretends to be one rank of a world without any process
-group, so that a test can build each rank's layers and check their slicing; a collective
-called there refuses, so a layer never silently returns a partial result.
+``tensor_parallel(rank, world_size)`` (``pretend_rank`` for a stage too) pretends to be one
+rank of a world without any process group, so that a test can build each rank's layers and
+check their slicing; a collective called there refuses, so a layer never silently returns a
+partial result.
 """
 
 from __future__ import annotations
@@ -28,8 +34,8 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class ParallelRank:
-    """Where one worker sits: its tensor-parallel rank and size, and (for pipeline
-    parallelism, not built yet) its stage and the number of stages."""
+    """Where one worker sits: its tensor-parallel rank and size, its pipeline stage and the
+    number of stages."""
 
     tp_rank: int = 0
     tp_size: int = 1
@@ -51,6 +57,36 @@ class ParallelRank:
     def world_size(self) -> int:
         return self.tp_size * self.pp_size
 
+    @property
+    def is_first_stage(self) -> bool:
+        """Whether this stage embeds the tokens (the first pipeline stage)."""
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Whether this stage holds the final norm and LM head, and samples."""
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def answers(self) -> bool:
+        """Whether this rank sends the step's output to the driver: tensor-parallel rank 0
+        of the last stage."""
+        return self.is_last_stage and self.tp_rank == 0
+
+    def describe(self) -> str:
+        """How errors name this rank: ``tensor-parallel rank 1`` with one stage, else with
+        its stage (``rank 3 (pipeline stage 1, tensor-parallel rank 1)``)."""
+        if self.pp_size == 1:
+            return f"tensor-parallel rank {self.tp_rank}"
+        return (f"rank {self.global_rank} (pipeline stage {self.pp_rank}, tensor-parallel "
+                f"rank {self.tp_rank})")
+
+    @classmethod
+    def of(cls, global_rank: int, tp_size: int, pp_size: int) -> ParallelRank:
+        """The rank at ``global_rank`` of a ``tp_size`` x ``pp_size`` world."""
+        return cls(tp_rank=global_rank % tp_size, tp_size=tp_size,
+                   pp_rank=global_rank // tp_size, pp_size=pp_size)
+
 
 _state = ParallelRank()
 # The tensor-parallel process group once ``init_distributed`` ran; None in a pretend world.
@@ -68,12 +104,12 @@ def tp_world_size() -> int:
 
 
 def pp_rank() -> int:
-    """This process's pipeline stage (always 0 until pipeline parallelism exists)."""
+    """This process's pipeline stage (0 without pipeline parallelism)."""
     return _state.pp_rank
 
 
 def pp_world_size() -> int:
-    """The number of pipeline stages (always 1 until pipeline parallelism exists)."""
+    """The number of pipeline stages (1 without pipeline parallelism)."""
     return _state.pp_size
 
 
@@ -85,9 +121,17 @@ def backend_for(device: torch.device) -> str:
 @contextmanager
 def tensor_parallel(rank: int, world_size: int) -> Iterator[None]:
     """Pretend to be ``rank`` of ``world_size`` while layers are built (tests of the slicing)."""
+    with pretend_rank(ParallelRank(tp_rank=rank, tp_size=world_size)):
+        yield
+
+
+@contextmanager
+def pretend_rank(rank: ParallelRank) -> Iterator[None]:
+    """Pretend to be ``rank`` (its stage too) while a model is built: tests of which layers
+    and slices a rank holds. Collectives and stage-to-stage transfers refuse there."""
     global _state
     previous = _state
-    _state = ParallelRank(tp_rank=rank, tp_size=world_size)
+    _state = rank
     try:
         yield
     finally:
@@ -100,8 +144,6 @@ def init_distributed(
     """Join the process group through ``store`` (every rank of the world calls this) and
     become ``rank``. Collectives that wait longer than ``timeout_s`` for a peer fail."""
     global _state, _tp_group
-    if rank.pp_size != 1:
-        raise NotImplementedError("pipeline parallelism is not available yet (pp_size must be 1)")
     if dist.is_initialized():
         raise RuntimeError("this process already belongs to a torch.distributed process group")
     if device.type == "cuda":
@@ -113,6 +155,12 @@ def init_distributed(
     )
     _state = rank
     _tp_group = dist.group.WORLD
+    if rank.pp_size > 1:
+        # Every rank takes part in creating every group; each keeps its own stage's.
+        for stage in range(rank.pp_size):
+            group = dist.new_group([stage * rank.tp_size + t for t in range(rank.tp_size)])
+            if stage == rank.pp_rank:
+                _tp_group = group
 
 
 def destroy_distributed() -> None:
@@ -121,6 +169,11 @@ def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     _state, _tp_group = ParallelRank(), None
+
+
+def current_rank() -> ParallelRank:
+    """This process's place in the world (rank 0 of 1 outside a process group)."""
+    return _state
 
 
 def _group() -> dist.ProcessGroup:
@@ -161,3 +214,30 @@ def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     stacked = gathered.view(world, *x.shape)
     return stacked.movedim(0, dim).reshape(*x.shape[:dim], world * x.shape[dim],
                                            *x.shape[dim + 1:])
+
+
+def send_to_next_stage(x: torch.Tensor) -> None:
+    """Send ``x`` to this tensor-parallel rank of the next pipeline stage (which calls
+    ``recv_from_previous_stage`` with its shape and dtype)."""
+    if _state.is_last_stage:
+        raise RuntimeError(f"stage {_state.pp_rank} is the last pipeline stage: it has no next")
+    _require_group()
+    dist.send(x.contiguous(), dst=_state.global_rank + _state.tp_size)
+
+
+def recv_from_previous_stage(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """The tensor this tensor-parallel rank of the previous pipeline stage sends."""
+    if _state.is_first_stage:
+        raise RuntimeError("stage 0 is the first pipeline stage: it has no previous")
+    _require_group()
+    x = torch.empty(shape, dtype=dtype, device=device)
+    dist.recv(x, src=_state.global_rank - _state.tp_size)
+    return x
+
+
+def _require_group() -> None:
+    if _tp_group is None:
+        raise RuntimeError("pipeline stages exchange activations only inside a process group "
+                           "(init_distributed)")

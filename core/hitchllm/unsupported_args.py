@@ -1,7 +1,7 @@
 """vLLM engine arguments hitchllm does not implement yet, refused by name.
 
 A vLLM script or command line that passes one of these with the value that asks for nothing
-(``pipeline_parallel_size=1``) runs unchanged; any other value is an error that names the
+(``data_parallel_size=1``) runs unchanged; any other value is an error that names the
 argument, never silently ignored. Kept free of torch so the CLI can build its parser before
 torch loads.
 """
@@ -16,7 +16,6 @@ _NEVER = object()  # the no-op value of an argument that no value makes harmless
 # name -> (the value that asks for nothing, accepted and ignored; what to do instead). A name
 # that becomes an EngineConfig field is left to the field.
 VLLM_ARGS_NOT_SUPPORTED: dict[str, tuple[Any, str]] = {
-    "pipeline_parallel_size": (1, "it runs the model on one device"),
     "data_parallel_size": (1, "serve replicas with `hitchllm serve --data-parallel-size N`"),
     "enable_expert_parallel": (False, ""),
     "trust_remote_code": (False, "it runs only its own model classes"),

@@ -24,6 +24,7 @@ from hitchllm.engine.executor import (
 )
 from hitchllm.engine.mp_executor import MultiprocExecutor
 from hitchllm.engine.output_processor import OutputProcessor
+from hitchllm.engine.pipeline_parallel import check_pipeline_parallel
 from hitchllm.engine.ray_executor import RayExecutor
 from hitchllm.engine.tensor_parallel import check_tensor_parallel, heads_per_rank
 from hitchllm.engine.worker import Worker, WorkerSetup, plugin_logits_processors
@@ -132,6 +133,7 @@ class LLMEngine:
         self.kv_cache_dtype = config.resolve_kv_cache_dtype(self.dtype)
         self._check_fp8_kv_cache_support()
         self._check_lora_support()
+        check_pipeline_parallel(config, mc, self.device, self.registry)
         check_tensor_parallel(config, mc, self.device)
         num_heads, num_kv_heads = heads_per_rank(mc, config.tensor_parallel_size)
         spec = AttentionSpec.for_device(
@@ -167,7 +169,7 @@ class LLMEngine:
         if config.distributed_executor_backend == "ray":
             # The model lives in Ray actors (at any tensor_parallel_size: Ray was asked for).
             self.executor: Executor = RayExecutor(setup)
-        elif config.tensor_parallel_size > 1:
+        elif config.tensor_parallel_size * config.pipeline_parallel_size > 1:
             # The model lives in the workers; this process keeps the scheduler.
             self.executor = MultiprocExecutor(setup)
         else:
@@ -206,7 +208,10 @@ class LLMEngine:
         self._request_counter = itertools.count()
         # Overlap: the launched step whose tokens are not folded in yet (see ``step``).
         # (On a CPU the step is done when launched; overlapping changes nothing but the order.)
-        self._overlap = config.async_scheduling and self.proposer is None
+        # Not with pipeline stages: the first stage needs each step's tokens on the host (the
+        # driver sends them with the next plan), so every step completes before the next.
+        self._overlap = (config.async_scheduling and self.proposer is None
+                         and config.pipeline_parallel_size == 1)
         self._in_flight: _Launched | None = None
         self._consecutive_failures = 0
 

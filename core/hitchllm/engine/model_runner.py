@@ -59,8 +59,13 @@ class ModelRunner:
         logits_processors: list[LogitsProcessor] | None = None,
         keep_hidden_states: bool = False,
         graph_query_lens: tuple[int, ...] = (1,),
+        samples: bool = True,
     ) -> None:
         self.model = model
+        # False on a pipeline stage before the last: it runs its layers (the model hands the
+        # hidden state on) and has no LM head; its request states advance with the tokens
+        # the driver feeds it (``append_fed_tokens``).
+        self.samples = samples
         self.logits_processors = logits_processors or []
         self.backend = backend
         self.spec = spec
@@ -154,6 +159,8 @@ class ModelRunner:
         hidden = self._eager_forward(b.input_ids.to_device(num_tokens),
                                      b.positions.to_device(num_tokens),
                                      self.builder.build(common))
+        if not self.samples:
+            return self._peak_after(hidden)
         rows = torch.arange(self.max_num_seqs, device=self.device) % num_tokens
         logits = self.model.compute_logits(hidden[rows])
         worst = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05,
@@ -164,9 +171,14 @@ class ModelRunner:
             generators=[None] * self.max_num_seqs, default_generator=self.default_generator,
             vocab_size=self.vocab_size, device=self.device)
         self.sampler(logits, metadata)
+        del logits, metadata
+        return self._peak_after(hidden)
+
+    def _peak_after(self, hidden: torch.Tensor) -> int:
+        """The profiled peak, once the profiling step is done; frees its one-block cache."""
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
-        del hidden, logits, metadata
+        del hidden
         for layer in self.layers:
             layer.bind(None, None)
         self.kv_caches = []
@@ -254,6 +266,8 @@ class ModelRunner:
             hidden = self.graphs.replay(graph_size, query_len)
         else:
             hidden = self._eager_forward(input_ids, positions, attn_metadata)
+        if not self.samples:
+            return PendingOutput()
 
         prompt_lps = {}
         if any(s.sampling_params.prompt_logprobs is not None for s in states):
@@ -268,6 +282,16 @@ class ModelRunner:
         if self.keep_hidden_states:
             pending.hidden_states = sampled_hidden
         return pending
+
+    def append_fed_tokens(self, sampled: dict[str, list[int]]) -> None:
+        """Record tokens sampled elsewhere (by the last pipeline stage) for this runner's
+        requests, as its own sampling would; ids it does not hold (finished since) are
+        ignored."""
+        states = self.input_batch.states
+        for rid, tokens in sampled.items():
+            state = states.get(rid)
+            if state is not None:
+                state.append_tokens(tokens)
 
     def _eager_forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any

@@ -1,4 +1,5 @@
-"""The multiprocess executor: one worker process per tensor-parallel rank on this host.
+"""The multiprocess executor: one worker process per rank on this host (tensor-parallel
+ranks x pipeline stages; ``hitchllm.distributed`` describes the rank layout).
 
 Start-up: the engine's process (the driver) opens the rendezvous store of the process group
 and spawns one process per rank (``spawn``: no forked CUDA or thread state), which runs
@@ -14,6 +15,13 @@ digest of its sampled tokens, checked against rank 0's. The driver does not wait
 launches a step, so it schedules the next step while the workers compute this one; a worker
 answers a step once it has launched the next (its device is never idle while it prepares a
 step) or when the driver asks for the answer (``flush``: no next step is coming first).
+
+Pipeline stages: only the last stage samples; its tensor-parallel rank 0 answers, its other
+ranks send digests and the earlier stages answer None. The earlier stages need each step's
+tokens before the next step (they embed them, or keep them as their request states), so the
+driver reads every step's answer before it launches the next and sends those tokens with the
+next plan (``fed_tokens``): one step in flight at a time (docs/distributed.md says what stage
+overlap still needs).
 
 Failures: while it waits for answers the driver also watches every worker's process: a worker
 that exits is reported by rank at once, and ranks that do not answer within
@@ -44,7 +52,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hitchllm.attention import KVCacheSpec
+from hitchllm.attention import KVCacheSpec, bytes_per_shared_block
 from hitchllm.distributed import ParallelRank
 from hitchllm.engine.executor import Executor, RunnerOutputFuture, WorkerFailedError
 from hitchllm.engine.runner_output import RunnerOutput
@@ -109,7 +117,15 @@ class MultiprocExecutor(Executor):
 
     def __init__(self, setup: WorkerSetup) -> None:
         config = setup.config
-        self.world_size = config.tensor_parallel_size
+        self.tp_size = config.tensor_parallel_size
+        self.pp_size = config.pipeline_parallel_size
+        self.world_size = self.tp_size * self.pp_size
+        self._ranks = [ParallelRank.of(r, self.tp_size, self.pp_size)
+                       for r in range(self.world_size)]
+        # The rank whose output the driver reads: tensor-parallel rank 0 of the last stage.
+        self._answering = next(r for r, rank in enumerate(self._ranks) if rank.answers)
+        # Tokens the last stage sampled that the earlier stages have not been sent yet.
+        self._unfed: dict[str, list[int]] = {}
         self.step_timeout_s = config.worker_step_timeout_s
         self._launched = 0  # steps sent to the workers
         self._flushed = False  # whether the workers were asked to answer the last one
@@ -126,12 +142,13 @@ class MultiprocExecutor(Executor):
         # Calls each rank has read from its pipe (shared memory, written by the workers).
         self._calls_taken = context.RawArray("q", self.world_size)
         try:
-            for r in range(self.world_size):
+            for r, rank in enumerate(self._ranks):
                 ours, theirs = context.Pipe()
+                name = (f"hitchllm-tp{r}" if self.pp_size == 1
+                        else f"hitchllm-pp{rank.pp_rank}-tp{rank.tp_rank}")
                 process = context.Process(
-                    target=worker_main, name=f"hitchllm-tp{r}",
-                    args=(setup, ParallelRank(tp_rank=r, tp_size=self.world_size), theirs,
-                          store.port, num_threads, self._calls_taken))
+                    target=worker_main, name=name,
+                    args=(setup, rank, theirs, store.port, num_threads, self._calls_taken))
                 process.start()
                 theirs.close()  # the worker holds it now; our copy would hide its exit
                 self._workers.processes.append(process)
@@ -140,8 +157,11 @@ class MultiprocExecutor(Executor):
         except BaseException:
             self.close()
             raise
-        self._kv_cache_specs: list[KVCacheSpec] = specs[0]
-        logger.info("%d tensor-parallel workers ready (pids %s)", self.world_size,
+        # Each stage caches its own layers; one block table serves them all, so a block is
+        # sized by the stage whose layers need the most bytes per block.
+        self._kv_cache_specs: list[KVCacheSpec] = max(specs, key=bytes_per_shared_block)
+        logger.info("%d workers ready (%d tensor-parallel x %d pipeline stages; pids %s)",
+                    self.world_size, self.tp_size, self.pp_size,
                     ", ".join(str(p.pid) for p in self._workers.processes))
 
     # ---- calls on every rank -----------------------------------------------------------
@@ -154,7 +174,7 @@ class MultiprocExecutor(Executor):
                 conn.send_bytes(payload)
             except OSError as exc:
                 self._check_alive(range(self.world_size), f"sending {method}")
-                self._fail(f"could not reach tensor-parallel rank {rank}: {exc}", rank)
+                self._fail(f"could not reach {self._ranks[rank].describe()}: {exc}", rank)
 
     def _receive(self, what: str, timeout_s: float, fail_fast: bool = False) -> list[Any]:
         """One answer from every rank, rank order. A rank that died or does not answer in
@@ -186,6 +206,7 @@ class MultiprocExecutor(Executor):
                     errors.append((rank, value[0], value[1]))
             if errors and fail_fast:
                 break
+            self._check_stalling_stage(errors, pending, what)
             self._check_alive(pending, what)
             if not ready:
                 self._fail_hung(list(pending), what, timeout_s)
@@ -193,10 +214,22 @@ class MultiprocExecutor(Executor):
             rank, exc, text = min(errors, key=lambda e: e[0])
             if fail_fast:
                 self.close()
-            exc.add_note(f"raised by tensor-parallel rank {rank} in {what}; its traceback:\n"
+            exc.add_note(f"raised by {self._ranks[rank].describe()} in {what}; its traceback:\n"
                          f"{text}")
             raise exc
         return answers
+
+    def _check_stalling_stage(self, errors: list[tuple[int, BaseException, str]],
+                              pending: dict[int, Connection], what: str) -> None:
+        """A rank of a stage before the last that raised in a step never sends its
+        activations on: the later stages would wait for them until the step timeout. Fail at
+        once, naming it (its traceback goes to the log)."""
+        for rank, exc, text in errors:
+            if not self._ranks[rank].is_last_stage and pending:
+                logger.error("%s raised in %s:\n%s", self._ranks[rank].describe(), what, text)
+                self._fail(f"{self._ranks[rank].describe()} raised {type(exc).__name__} in "
+                           f"{what} ({exc}); the later pipeline stages wait for its "
+                           "activations", rank)
 
     def _fail_hung(self, pending: list[int], what: str, timeout_s: float) -> None:
         """Ranks that have not even read the call are the hung ones; the others wait for
@@ -205,12 +238,12 @@ class MultiprocExecutor(Executor):
         behind = [r for r in pending if taken[r] < max(taken)]
         waiting = [r for r in pending if r not in behind]
         if behind:
-            message = (f"tensor-parallel rank(s) {_names(behind)} stopped taking calls and did "
+            message = (f"{self._noun}(s) {self._names(behind)} stopped taking calls and did "
                        f"not answer {what} within {timeout_s:g} s (hung)")
             if waiting:
-                message += f"; rank(s) {_names(waiting)} wait for them in a collective"
+                message += f"; rank(s) {self._names(waiting)} wait for them in a collective"
         else:
-            message = (f"tensor-parallel rank(s) {_names(pending)} did not answer {what} "
+            message = (f"{self._noun}(s) {self._names(pending)} did not answer {what} "
                        f"within {timeout_s:g} s (hung, or waiting in a collective for a rank "
                        "that is)")
         self._fail(message + "; raise worker_step_timeout_s if steps are this slow",
@@ -232,7 +265,7 @@ class MultiprocExecutor(Executor):
                         "is imported needs an `if __name__ == \"__main__\":` guard: workers "
                         "start with spawn, which imports the main module)"
                         if what == "start-up" else "")
-                self._fail(f"tensor-parallel rank {rank} (pid {process.pid}) died in {what} "
+                self._fail(f"{self._ranks[rank].describe()} (pid {process.pid}) died in {what} "
                            f"({how}){hint}", rank)
 
     def _fail(self, message: str, rank: int | None) -> None:
@@ -266,7 +299,13 @@ class MultiprocExecutor(Executor):
         if step.draft_probs:
             raise ValueError("draft probabilities (speculative decoding) cannot be sent to "
                              "tensor-parallel workers yet")
-        self._send("execute_model", step)
+        fed: dict[str, list[int]] = {}
+        if self.pp_size > 1:
+            # The earlier stages learn the tokens of every step before the next one.
+            if self._collected < self._launched:
+                self._step_output(self._launched - 1)
+            fed, self._unfed = self._unfed, {}
+        self._send("execute_model", step, fed)
         self._launched += 1
         self._flushed = False
         return _StepFuture(self, self._launched - 1)
@@ -282,12 +321,16 @@ class MultiprocExecutor(Executor):
             step = self._collected
             self._collected += 1  # read even when it raises: the next answers are the next step's
             answers = self._receive(f"step {step}", self.step_timeout_s)
-            output: RunnerOutput = answers[0]
+            output: RunnerOutput = answers[self._answering]
             digest = output_digest(output)
-            for rank, other in enumerate(answers[1:], start=1):
-                if other != digest:
-                    self._fail(f"tensor-parallel rank {rank} sampled other tokens than rank 0 "
-                               f"in step {step} (the ranks' logits differ)", rank)
+            for rank, other in enumerate(answers):
+                if self._ranks[rank].is_last_stage and other is not output and other != digest:
+                    self._fail(f"{self._ranks[rank].describe()} sampled other tokens than "
+                               f"{self._ranks[self._answering].describe()} in step {step} "
+                               "(the ranks' logits differ)", rank)
+            if self.pp_size > 1:
+                for rid, tokens in output.sampled.items():
+                    self._unfed.setdefault(rid, []).extend(tokens)
             self._outputs[step] = output
         for old in [i for i in self._outputs if i < index]:
             del self._outputs[old]
@@ -297,10 +340,19 @@ class MultiprocExecutor(Executor):
         self._finalizer()
 
     @property
+    def _noun(self) -> str:
+        return "tensor-parallel rank" if self.pp_size == 1 else "rank"
+
+    def _names(self, ranks: list[int]) -> str:
+        if self.pp_size == 1:
+            return ", ".join(str(r) for r in ranks)
+        return ", ".join(f"{r} (pipeline stage {self._ranks[r].pp_rank}, tensor-parallel rank "
+                         f"{self._ranks[r].tp_rank})" for r in ranks)
+
+    @property
     def pids(self) -> list[int]:
         """The worker processes' ids, rank order (empty once closed)."""
         return [p.pid for p in self._workers.processes if p.pid is not None]
 
 
-def _names(ranks: list[int]) -> str:
-    return ", ".join(str(r) for r in ranks)
+

@@ -3,8 +3,8 @@
 The engine describes what to build in a ``WorkerSetup`` (plain, picklable data); a ``Worker``
 is the one place where a model is loaded and its ``ModelRunner`` built. The in-process
 executor runs one worker in the engine's own process; the multiprocess executor runs one per
-tensor-parallel rank in a worker process (a pipeline stage or a Ray actor hosts the same
-class). Each rank builds its layers after joining the process group, so the layers' weight
+rank (tensor-parallel rank of a pipeline stage) in a worker process (a Ray actor would host
+the same class). Each rank builds its layers after joining the process group, so the layers' weight
 loaders keep only the rank's slice of every checkpoint tensor: its query heads, its KV heads
 (replicated when there are fewer KV heads than ranks), its vocabulary rows.
 
@@ -13,6 +13,11 @@ same seeded generators, so every rank holds the same request states and the same
 tokens on its device (a next step's inputs, under async scheduling, come from there). Only
 rank 0's output goes back to the engine; the other ranks send a digest of theirs, which the
 executor compares to rank 0's so that ranks that drift apart fail loudly.
+
+With pipeline stages only the last stage samples: its tensor-parallel rank 0 answers and its
+other ranks send digests; the earlier stages run their layers, hand the hidden state on and
+learn each step's tokens from the driver with the next plan (``launch_step``'s
+``fed_tokens``).
 """
 
 from __future__ import annotations
@@ -163,6 +168,7 @@ class Worker:
             logits_processors=processors,
             keep_hidden_states=keep_hidden_states,
             graph_query_lens=s.graph_query_lens,
+            samples=self.rank.is_last_stage,
         )
         return self._runner
 
@@ -172,7 +178,11 @@ class Worker:
         self.runner.initialize_kv_cache(num_blocks)
 
     def capture_cuda_graphs(self) -> None:
-        self.runner.capture_cuda_graphs()
+        """Capture the decode graphs; not with pipeline stages, whose forward sends and
+        receives activations (point-to-point transfers are not captured yet: each step of a
+        stage runs eagerly)."""
+        if self.rank.pp_size == 1:
+            self.runner.capture_cuda_graphs()
 
     def kv_cache_bytes(self, gpu_memory_utilization: float) -> int:
         """CUDA: the bytes this rank's card leaves for its KV cache (see
@@ -183,10 +193,17 @@ class Worker:
         return cuda_kv_cache_bytes(self.device, self.memory_at_start,
                                    self.runner.measure_peak_memory(), gpu_memory_utilization)
 
-    def launch_step(self, plan: StepPlan) -> PendingOutput:
+    def launch_step(
+        self, plan: StepPlan, fed_tokens: dict[str, list[int]] | None = None
+    ) -> PendingOutput:
         """Launch one step; its ``result()`` waits for it and advances this rank's request
         states. A next step may be launched first (its pending tokens are read on the
-        device), as the engine does in one process under async scheduling."""
+        device), as the engine does in one process under async scheduling.
+
+        ``fed_tokens``: with pipeline stages, the tokens the last stage sampled since the
+        previous plan, per request id; a stage that does not sample records them first."""
+        if fed_tokens and not self.rank.is_last_stage:
+            self.runner.append_fed_tokens(fed_tokens)
         return self.runner.execute_async(plan)
 
 

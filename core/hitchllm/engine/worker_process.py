@@ -1,11 +1,12 @@
-"""A tensor-parallel worker process: the loop that answers the multiprocess executor.
+"""A worker process (one tensor-parallel rank of one pipeline stage): the loop that answers
+the multiprocess executor.
 
 The executor (``hitchllm.engine.mp_executor``) starts ``worker_main`` in one process per rank.
 It joins the process group through the driver's rendezvous store, loads the rank's shard
 (``Worker.load``) and reports ready with its KV-cache specs; then it answers calls read from
-its pipe, in order: ``("execute_model", (plan,))``, ``("flush", ())``, ``("shutdown", ())``,
-or the name of a ``Worker`` set-up method. Every answer is ``("ok", value)`` or ``("error",
-exception, traceback text)``.
+its pipe, in order: ``("execute_model", (plan, fed_tokens))``, ``("flush", ())``,
+``("shutdown", ())``, or the name of a ``Worker`` set-up method. Every answer is ``("ok",
+value)`` or ``("error", exception, traceback text)``.
 """
 
 from __future__ import annotations
@@ -118,9 +119,14 @@ def serve(worker: Worker, conn: Connection, calls_taken: MutableSequence[int]) -
 
 
 def _step_answer(worker: Worker, pending: PendingOutput) -> tuple[Any, ...]:
-    """Rank 0's output of a step, or another rank's digest of it (or the step's error)."""
+    """The answering rank's output of a step (tensor-parallel rank 0 of the last pipeline
+    stage), another rank of that stage's digest of it, None from an earlier stage (or the
+    step's error)."""
     try:
         output = pending.result()
     except Exception as exc:
         return exception_reply(exc)
-    return "ok", output if worker.rank.global_rank == 0 else output_digest(output)
+    rank = worker.rank
+    if rank.answers:
+        return "ok", output
+    return "ok", output_digest(output) if rank.is_last_stage else None

@@ -58,6 +58,9 @@ def add_engine_args(
     g.add_argument("-tp", "--tensor-parallel-size", type=int,
                    help="split the model over this many ranks, one worker process each (one "
                         "GPU each on CUDA; default 1)")
+    g.add_argument("-pp", "--pipeline-parallel-size", type=int,
+                   help="split the decoder layers into this many stages, each its own "
+                        "group of --tensor-parallel-size worker processes (default 1)")
     g.add_argument("--distributed-executor-backend", choices=["mp", "ray"],
                    help="where tensor-parallel workers run: mp (processes on this host, "
                         "default) or ray (actors on a Ray cluster's nodes; needs "
@@ -103,7 +106,7 @@ ENGINE_FLAGS = ["tokenizer", "dtype", "kv_cache_dtype", "calculate_kv_scales", "
                 "speculative_method", "num_speculative_tokens", "speculative_model",
                 "prompt_lookup_min", "prompt_lookup_max", "enable_lora", "max_loras",
                 "max_lora_rank", "max_cpu_loras", "device", "tensor_parallel_size",
-                "distributed_executor_backend", "ray_placement_strategy",
+                "pipeline_parallel_size", "distributed_executor_backend", "ray_placement_strategy",
                 "ray_placement_timeout_s", "attention_backend",
                 "block_size", "num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization",
                 "max_model_len", "max_num_seqs", "max_num_batched_tokens",

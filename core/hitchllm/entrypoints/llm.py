@@ -24,8 +24,9 @@ class LLM:
     ``block_size``, ``num_kv_blocks``, ``kv_cache_memory``, ``max_model_len``, ``max_num_seqs``,
     ``max_num_batched_tokens``, ``enable_prefix_caching``, ``seed``, ...). Invalid values
     raise ``EngineConfigError`` (a ``ValueError``), one line per field; vLLM arguments hitchllm
-    does not implement yet (``pipeline_parallel_size=2``, ...) are refused by name.
-    ``tensor_parallel_size=N`` splits the model over N worker processes (N GPUs on CUDA).
+    does not implement yet (``data_parallel_size=2``, ...) are refused by name.
+    ``tensor_parallel_size=N`` splits the model over N worker processes (N GPUs on CUDA);
+    ``pipeline_parallel_size=M`` splits its layers into M stages (N x M processes).
     ``enable_lora=True`` (with ``max_loras``, ``max_lora_rank``, ``max_cpu_loras``) serves
     LoRA adapters through the hitchllm-lora plugin.
     """

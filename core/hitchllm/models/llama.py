@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from itertools import islice
 from typing import ClassVar
 
 import torch
@@ -38,7 +39,11 @@ from hitchllm.layers import (
 from hitchllm.layers.loading import Route, Stacking
 from hitchllm.models import fused
 from hitchllm.models.norm import RMSNorm
+from hitchllm.models.pipeline import AbsentLayer, StageLayout
 from hitchllm.models.rope import RotaryEmbedding
+
+# The checkpoint's embedding, which a tied LM head shares.
+_EMBEDDING = "model.embed_tokens.weight"
 
 
 @dataclass(frozen=True)
@@ -181,16 +186,31 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
 class PreNormDecoder(nn.Module):
     """Embedding, a stack of ``PreNormDecoderLayer`` s and a final norm that also adds the
     last layer's output to the residual stream; a subclass builds ``embed_tokens``,
-    ``layers`` and ``norm``. Shared by the core's models and plugins' (DeepSeek)."""
+    ``layers`` and ``norm``. Shared by the core's models and plugins' (DeepSeek).
+
+    A subclass that sets ``stage`` (a ``StageLayout``) runs as one pipeline stage: it builds
+    only that stage's modules, receives the hidden state and residual from the previous
+    stage instead of embedding (unless first) and sends them on instead of the final norm
+    (unless last; it then returns its last layer's output, which no one reads)."""
 
     embed_tokens: nn.Module
     layers: nn.ModuleList
-    norm: RMSNorm
+    norm: nn.Module
+    stage: StageLayout | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+        stage = self.stage
+        if stage is None or stage.is_first:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = stage.receive(input_ids.shape[0], input_ids.device)
+        layers = self.layers if stage is None else islice(self.layers, stage.layers.start,
+                                                          stage.layers.stop)
+        for layer in layers:
             hidden, residual = layer(positions, hidden, residual)
+        if stage is not None and not stage.is_last:
+            stage.send(hidden, residual)
+            return hidden
         return self.norm.add_and_norm(hidden, residual)[0]
 
 
@@ -201,9 +221,11 @@ class LlamaModel(PreNormDecoder):
     ) -> None:
         super().__init__()
         traits = family_traits(config)
+        # This process's pipeline stage (all layers without pipeline parallelism).
+        self.stage = stage = StageLayout.current(config.num_hidden_layers, config.hidden_size)
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens"
-        )
+        ) if stage.is_first else AbsentLayer()
         # One cos/sin table shared by every layer (it can be large for long-context models).
         rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta,
@@ -211,10 +233,11 @@ class LlamaModel(PreNormDecoder):
         )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, traits, i, rotary, quant_config, f"{prefix}.layers.{i}",
-                              make_mlp)
+                              make_mlp) if i in stage.layers else AbsentLayer()
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.is_last \
+            else AbsentLayer()
 
 
 class LlamaForCausalLM(nn.Module):
@@ -229,6 +252,8 @@ class LlamaForCausalLM(nn.Module):
     MAKE_MLP: ClassVar[MLPFactory] = staticmethod(dense_mlp)
     # Checkpoint names placed by a rule rather than STACKED (experts), or None.
     ROUTE: ClassVar[Route | None] = None
+    # Builds one pipeline stage when pipeline_parallel_size > 1 (see ``PreNormDecoder``).
+    SUPPORTS_PIPELINE_PARALLEL: ClassVar[bool] = True
 
     def __init__(
         self, config: ModelConfig, quant_config: QuantizationMethod | None = None
@@ -236,12 +261,18 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, quant_config, "model", self.MAKE_MLP)
+        stage = self.model.stage
         tied = config.tie_word_embeddings
+        # A last stage that is not also the first loads its own copy of a tied embedding.
+        self._head_from_embedding = tied and stage.is_last and not stage.is_first
+        if not stage.is_last:
+            self.lm_head: nn.Module = AbsentLayer()
+            return
         self.lm_head = ParallelLMHead(
             config.vocab_size, config.hidden_size, quant_config=None if tied else quant_config,
             prefix="lm_head",
         )
-        if tied:
+        if tied and stage.is_first:
             self.lm_head.tie_to(self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -255,12 +286,27 @@ class LlamaForCausalLM(nn.Module):
         fp8 KV-cache scales (``self_attn.k_scale``, ``self_attn.k_proj.output_scale``, ...)
         load into the layer's ``Attention`` when present."""
         tied = self.config.tie_word_embeddings
+
+        def skip(name: str) -> bool:
+            return ("rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight")
+                    or not self.wants_checkpoint_tensor(name))
+
+        def rename(name: str) -> str | None:
+            if self._head_from_embedding and name == _EMBEDDING:
+                return "lm_head.weight"
+            return self.rename_weight(name)
+
         load_named_weights(
-            self, weights, self.STACKED,
-            skip=lambda name: "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"),
+            self, weights, self.STACKED, skip=skip,
             description=f"{type(self).__name__} ({self.config.architecture})",
-            rename=self.rename_weight, route=self.ROUTE,
+            rename=rename, route=self.ROUTE,
         )
+
+    def wants_checkpoint_tensor(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` belongs to this process's pipeline stage (every
+        tensor does without pipeline parallelism); the loader reads no other."""
+        return self.model.stage.holds(name) or (self._head_from_embedding
+                                                and name == _EMBEDDING)
 
     def rename_weight(self, name: str) -> str | None:
         """The parameter name of a checkpoint tensor the model spells differently, or None."""

@@ -42,17 +42,22 @@ def weight_files(path: Path) -> list[Path]:
     )
 
 
-def iterate_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint, file by file, loaded on the CPU. ``.bin`` files are
-    read with ``torch.load(weights_only=True)``: tensors only, no pickled code runs."""
+def iterate_weights(
+    path: Path, wanted: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint (those whose name ``wanted`` accepts, when given), file
+    by file, loaded on the CPU; a tensor not wanted is not read from a safetensors file.
+    ``.bin`` files are read with ``torch.load(weights_only=True)``: tensors only, no pickled
+    code runs."""
     for file in weight_files(path):
         if file.suffix == ".safetensors":
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    yield name, f.get_tensor(name)
+                    if wanted is None or wanted(name):
+                        yield name, f.get_tensor(name)
         else:
             state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-            yield from state.items()
+            yield from ((n, t) for n, t in state.items() if wanted is None or wanted(n))
 
 
 # Methods of the hitchllm-quantization plugin, named when it is not installed.
@@ -94,7 +99,8 @@ def load_model(
     as ``cls(model_config)`` and passed to the model as ``quant_config``: each linear layer
     asks it for its linear method at construction, and the method's parameters (scales, ...)
     load through the same weight loaders. Every linear method then gets its
-    ``process_weights_after_loading`` call."""
+    ``process_weights_after_loading`` call. A model with a ``wants_checkpoint_tensor(name)``
+    method (a pipeline stage) is handed only the tensors it accepts."""
     archs = model_architectures(registry)
     cls = archs.get(config.architecture)
     if cls is None:
@@ -111,6 +117,8 @@ def load_model(
             model = cls(config, quant_config=quant_config)
     finally:
         torch.set_default_dtype(previous)
-    model.load_weights(iterate_weights(config.path))
+    # A model that holds part of the checkpoint (one pipeline stage) says which tensors.
+    model.load_weights(iterate_weights(config.path,
+                                       getattr(model, "wants_checkpoint_tensor", None)))
     process_weights_after_loading(model)
     return model.eval()

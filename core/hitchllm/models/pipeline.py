@@ -1,0 +1,97 @@
+"""Pipeline stages of a decoder: which layers a stage holds, and the hand-over between stages.
+
+With ``pipeline_parallel_size=M`` the decoder layers split into M contiguous stages. When the
+layers do not divide evenly, the first ``num_layers % M`` stages hold one layer more (the last
+stage also runs the final norm, the LM head and sampling, so it is never the one that gets
+more). Stage 0 embeds the tokens; the last stage holds the final norm and the LM head. A
+stage builds nothing else: the other layers are ``AbsentLayer`` placeholders without
+parameters (module names keep their checkpoint indices), and the checkpoint tensors of
+modules a stage does not hold are skipped when it loads (``StageLayout.holds``).
+
+Between stages the hidden state and the residual stream travel as one ``[2, tokens,
+hidden]`` tensor, point-to-point (``hitchllm.distributed``). Every stage runs the same step
+plan and prepares the same inputs, so a receiving stage knows the number of tokens (padding
+included) without being told.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hitchllm import distributed
+
+_LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
+    """The decoder layers of stage ``pp_rank`` of ``pp_size`` (``ValueError`` when there are
+    fewer layers than stages)."""
+    if pp_size > num_layers:
+        raise ValueError(
+            f"pipeline_parallel_size={pp_size} is more than the model's {num_layers} decoder "
+            f"layers (each stage needs at least one); use at most {num_layers}")
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return range(start, start + base + (pp_rank < extra))
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """What one stage of a model holds; built while the model is constructed (it reads the
+    rank set by ``hitchllm.distributed`` and the default dtype of the activations)."""
+
+    pp_rank: int
+    pp_size: int
+    layers: range
+    hidden_size: int
+    dtype: torch.dtype
+
+    @classmethod
+    def current(cls, num_layers: int, hidden_size: int) -> StageLayout:
+        """This process's stage of a model with ``num_layers`` decoder layers."""
+        rank = distributed.current_rank()
+        return cls(rank.pp_rank, rank.pp_size, stage_layers(num_layers, rank.pp_size,
+                                                             rank.pp_rank),
+                   hidden_size, torch.get_default_dtype())
+
+    @property
+    def is_first(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def holds(self, name: str) -> bool:
+        """Whether the checkpoint tensor ``name`` belongs to a module this stage holds:
+        its own layers', the embedding on the first stage, the final norm and the LM head
+        on the last. Names outside the decoder (none in the Llama family) are kept."""
+        match = _LAYER_NAME.search(name)
+        if match is not None:
+            return int(match.group(1)) in self.layers
+        if "embed_tokens." in name:
+            return self.is_first
+        if name.startswith(("lm_head.", "model.norm.")):
+            return self.is_last
+        return True
+
+    def receive(self, num_tokens: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The previous stage's hidden state and residual stream for ``num_tokens`` tokens."""
+        both = distributed.recv_from_previous_stage((2, num_tokens, self.hidden_size),
+                                                    self.dtype, device)
+        return both[0], both[1]
+
+    def send(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
+        """Hand the hidden state and residual stream to the next stage."""
+        distributed.send_to_next_stage(torch.stack((hidden, residual)))
+
+
+class AbsentLayer(nn.Module):
+    """Stands for a module another pipeline stage holds: no parameters, never called."""
+
+    def forward(self, *args: object) -> torch.Tensor:
+        raise RuntimeError("this module belongs to another pipeline stage")
