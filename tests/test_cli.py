@@ -215,7 +215,8 @@ def test_cli_config_errors_are_one_line_each_with_status_2(llama_path, capsys):
     err = capsys.readouterr().err
     assert error_lines(err) == [
         "error: data_parallel_size is not supported yet by hitchllm (only "
-        "data_parallel_size=1 is accepted); start one engine per replica",
+        "data_parallel_size=1 is accepted); serve replicas with `hitchllm serve "
+        "--data-parallel-size N`",
         "error: max_num_seqs: Input should be greater than or equal to 1 (got 0)",
     ]
     assert main(["generate", "--model", llama_path, "--prompt", "x", "--max-tokens", "2",
