@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from hitchllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from hitchllm.bundled_model import default_model_path
 from hitchllm.lora import LoRARequest
 from hitchllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -23,6 +24,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "CompletionOutput",
     "EngineConfig",
     "LLMEngine",

@@ -7,6 +7,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from hitchllm.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from hitchllm.config import EngineConfig
 from hitchllm.engine.llm_engine import LLMEngine, Prompt
 from hitchllm.outputs import RequestOutput
@@ -83,6 +84,18 @@ class LLM:
             self.engine.abort_request(ids)
             raise
         return self._run(ids, use_tqdm)
+
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (a string or ``{"prompt_token_ids": [...]}``); per
+        prompt its ``params.beam_width`` best sequences, best first, scored as Hugging Face's
+        ``generate(num_beams=...)`` scores them. Beams share KV blocks copy-on-write. Raises
+        ``ValueError`` naming the option the engine cannot honour (``beam_width`` above
+        ``max_num_seqs``, speculative decoding, ``temperature > 0``)."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        return beam_search(self.engine, list(prompts), params)
 
     def chat(
         self,
