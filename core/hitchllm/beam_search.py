@@ -127,6 +127,14 @@ class _Search:
     def ready(self) -> bool:
         return all(b.request.request_id in self.logprobs for b in self.beams)
 
+    def reset(self) -> None:
+        """Forget the search's progress (its beams must be finished first)."""
+        s = self.scorer
+        self.scorer = BeamScorer(s.beam_width, s.max_tokens, tuple(s.eos_token_ids),
+                                 s.length_penalty, s.early_stopping)
+        self.beams = []
+        self.logprobs = {}
+
 
 class _BeamSearchRun:
     """The search of a batch of prompts on one engine; ``run`` returns the outputs."""
@@ -155,7 +163,21 @@ class _BeamSearchRun:
                     search = waiting.popleft()
                     self._start(search)
                     active.append(search)
-                self._step()
+                if not self._step():
+                    # Beams waiting for their siblings hold the blocks the siblings need.
+                    # Give way: the youngest search starts over later, fewer run at once.
+                    if len(active) == 1:
+                        raise RuntimeError(
+                            "beam search made no progress: the KV cache cannot hold the "
+                            f"beams of one search (beam_width={self.params.beam_width}); "
+                            "lower beam_width or max_tokens, or give the cache more blocks "
+                            "(num_kv_blocks / kv_cache_memory)")
+                    search = active.pop()
+                    self._finish(search.beams, RequestStatus.FINISHED_ABORTED)
+                    search.reset()
+                    waiting.appendleft(search)
+                    seats = len(active)
+                    continue
                 for search in [s for s in active if s.ready]:
                     self._advance(search)
                     if search.scorer.done:
@@ -184,15 +206,13 @@ class _BeamSearchRun:
         search.beams = [_Beam(root, 0.0)]
         self.scheduler.add_request(root)
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
         """One engine step of every beam that has something to compute; records the
-        next-token logprobs of the beams that reached their end."""
+        next-token logprobs of the beams that reached their end. False when no beam could
+        be scheduled."""
         plan = self.scheduler.schedule()
         if plan.is_empty:
-            raise RuntimeError(
-                "beam search made no progress: the KV cache cannot hold the beams of one "
-                f"search (beam_width={self.params.beam_width}); lower beam_width or "
-                "max_tokens, or give the cache more blocks (num_kv_blocks / kv_cache_memory)")
+            return False
         requests = [self.scheduler.requests[rid] for rid in plan.request_ids]
         output = self.engine.executor.execute_model(plan).result()
         # The search, not the sampler, chooses each beam's next token: nothing is appended.
@@ -201,6 +221,7 @@ class _BeamSearchRun:
             search = self._owner.get(rid)
             if search is not None:
                 search.logprobs[rid] = {t: lp.logprob for t, lp in entries[-1].items()}
+        return True
 
     def _advance(self, search: _Search) -> None:
         """Let the scorer pick the continuations, fork them, and finish every parent."""
@@ -214,12 +235,16 @@ class _BeamSearchRun:
             child = self._new_request(search, [*parent.output_token_ids, c.token])
             self.scheduler.fork_request(parent, child)
             children.append(_Beam(child, c.cum_logprob))
-        parent_ids = [b.request.request_id for b in parents]
-        self.scheduler.finish_requests(parent_ids, RequestStatus.FINISHED_STOPPED)
-        for rid in parent_ids:
-            del self._owner[rid]
+        self._finish(parents, RequestStatus.FINISHED_STOPPED)
         search.beams = children
         search.logprobs = {}
+
+    def _finish(self, beams: list[_Beam], status: RequestStatus) -> None:
+        """End the beams' requests: their blocks go back at once."""
+        ids = [b.request.request_id for b in beams]
+        self.scheduler.finish_requests(ids, status)
+        for rid in ids:
+            del self._owner[rid]
 
     def _output(self, search: _Search) -> BeamSearchOutput:
         decode = self.engine.tokenizer.decode
