@@ -1,0 +1,111 @@
+"""``/v1/completions`` with vLLM's ``use_beam_search`` (``n`` is the beam width): the choices
+are the offline ``LLM.beam_search`` beams, best first; options beam search cannot honour are
+a 400 naming them; a search waits for running requests, and requests arriving during a search
+wait for it."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from fastapi.testclient import TestClient
+
+from hitchllm import LLM, BeamSearchParams
+from hitchllm.config import EngineConfig
+from hitchllm.engine.async_engine import AsyncLLMEngine
+from hitchllm.engine.llm_engine import LLMEngine
+from hitchllm.entrypoints.openai.metrics import ServerMetrics
+from hitchllm.entrypoints.openai.server import build_app
+
+MODEL = "tiny"
+ARGS = dict(block_size=4, max_model_len=128, max_num_seqs=8, num_kv_blocks=128)
+
+
+@pytest.fixture(scope="module")
+def http(llama_path):
+    engine = LLMEngine(EngineConfig(model=llama_path, attention_backend="TORCH", **ARGS))
+    async_engine = AsyncLLMEngine(engine)
+    app = build_app(async_engine, [MODEL], engine.tokenizer, ServerMetrics(MODEL))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield client
+    async_engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def offline(llama_path):
+    return LLM(llama_path, **ARGS)
+
+
+def _complete(http, **body):
+    return http.post("/v1/completions", json={"model": MODEL, "use_beam_search": True,
+                                              "temperature": 0, **body})
+
+
+def test_choices_are_the_offline_beams_best_first(http, offline):
+    prompts = ["def add(a, b):", "The quick brown fox"]
+    r = _complete(http, prompt=prompts, n=3, max_tokens=10, length_penalty=0.8)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    expected = offline.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=10,
+                                                             length_penalty=0.8))
+    choices = sorted(body["choices"], key=lambda c: c["index"])
+    assert [c["index"] for c in choices] == list(range(6))
+    assert [c["text"] for c in choices] == [s.text for o in expected for s in o.sequences]
+    assert [c["finish_reason"] for c in choices] == [
+        s.finish_reason for o in expected for s in o.sequences]
+    assert body["usage"]["completion_tokens"] == sum(
+        len(s.output_token_ids) for o in expected for s in o.sequences)
+    assert body["usage"]["prompt_tokens"] == sum(len(o.prompt_token_ids) for o in expected)
+    scores = [s.score for s in expected[0].sequences]
+    assert scores == sorted(scores, reverse=True)
+
+
+def test_token_id_prompts_and_ignore_eos(http, offline):
+    r = _complete(http, prompt=[5, 6, 7, 8], n=2, max_tokens=6, ignore_eos=True)
+    assert r.status_code == 200, r.text
+    [expected] = offline.beam_search({"prompt_token_ids": [5, 6, 7, 8]},
+                                     BeamSearchParams(beam_width=2, max_tokens=6,
+                                                      ignore_eos=True))
+    assert [c["text"] for c in r.json()["choices"]] == [s.text for s in expected.sequences]
+
+
+@pytest.mark.parametrize("body,param,match", [
+    (dict(stream=True), "stream", "stream cannot be used with use_beam_search"),
+    (dict(logprobs=2), "logprobs", "logprobs cannot be used with use_beam_search"),
+    (dict(temperature=0.7), "temperature", "temperature must be 0"),
+    (dict(n=9), None, "beam_width=9 is larger than max_num_seqs=8"),
+    (dict(use_beam_search=False, length_penalty=0.5), "length_penalty", "not supported"),
+])
+def test_options_beam_search_cannot_honour_are_400(http, body, param, match):
+    r = _complete(http, **{"prompt": "x", "max_tokens": 4, "n": 2, **body})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert match in error["message"]
+    assert error["param"] == param
+
+
+def test_a_search_waits_for_running_requests_and_requests_wait_for_it(http):
+    results = {}
+
+    def long_request():
+        results["long"] = http.post("/v1/completions", json={
+            "model": MODEL, "prompt": "hello", "max_tokens": 60, "ignore_eos": True})
+
+    def search():
+        results["search"] = _complete(http, prompt="def add(a, b):", n=4, max_tokens=12)
+
+    def late_request():
+        results["late"] = http.post("/v1/completions", json={
+            "model": MODEL, "prompt": "x", "max_tokens": 3, "ignore_eos": True})
+
+    threads = [threading.Thread(target=f) for f in (long_request, search, late_request)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    assert {k: r.status_code for k, r in results.items()} == {
+        "long": 200, "search": 200, "late": 200}
+    assert len(results["search"].json()["choices"]) == 4
+    assert results["long"].json()["usage"]["completion_tokens"] == 60
+    assert results["late"].json()["usage"]["completion_tokens"] == 3
