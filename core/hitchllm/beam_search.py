@@ -198,13 +198,13 @@ class _BeamSearchRun:
         )
         for token in output_token_ids:
             request.append_output_token(token)
-        self._owner[request.request_id] = search
         return request
 
     def _start(self, search: _Search) -> None:
         root = self._new_request(search, [])
-        search.beams = [_Beam(root, 0.0)]
         self.scheduler.add_request(root)
+        self._owner[root.request_id] = search
+        search.beams = [_Beam(root, 0.0)]
 
     def _step(self) -> bool:
         """One engine step of every beam that has something to compute; records the
@@ -234,6 +234,7 @@ class _BeamSearchRun:
             parent = parents[c.beam].request
             child = self._new_request(search, [*parent.output_token_ids, c.token])
             self.scheduler.fork_request(parent, child)
+            self._owner[child.request_id] = search
             children.append(_Beam(child, c.cum_logprob))
         self._finish(parents, RequestStatus.FINISHED_STOPPED)
         search.beams = children

@@ -107,11 +107,11 @@ class Scheduler:
         search finishes every parent right after forking it): copy-on-write replaces blocks
         only of requests the runner has not been sent yet.
         """
-        self.requests[child.request_id] = child
         if parent.status != RequestStatus.RUNNING or not parent.num_computed_tokens:
-            self.config.policy.enqueue(self.waiting, child)
+            self.add_request(child)
             return
         self.kv_cache.fork(parent, child)
+        self.requests[child.request_id] = child
         child.num_computed_tokens = parent.num_computed_tokens
         child.status = RequestStatus.RUNNING
         self.running.append(child)
