@@ -116,12 +116,12 @@ def throughput_rows(llm: LLM, model_dir: str, prompts: list[list[int]], widths: 
             max_new_tokens=max_tokens, min_new_tokens=max_tokens, eos_token_id=None,
             pad_token_id=0)
 
-        def run_hf():
+        def run_hf(cfg=cfg):
             with torch.no_grad():
                 return hf.generate(ids, attention_mask=torch.ones_like(ids),
                                    generation_config=cfg)
 
-        def run_ours():
+        def run_ours(params=params):
             return llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
 
         timings = {}

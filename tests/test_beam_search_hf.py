@@ -174,3 +174,30 @@ def test_text_prompts_and_text_output(arch_setup):
     assert out.prompt_token_ids == tok("def add(a, b):").input_ids
     for s in out.sequences:
         assert s.text == tok.decode(s.output_token_ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("backend", ["CPU_ATTN"])
+def test_other_cpu_backend_matches_transformers(arch_setup, backend):
+    model, _ = arch_setup
+    llm = LLM(model.name_or_path, attention_backend=backend, block_size=4,
+              max_num_batched_tokens=8, max_num_seqs=16, num_kv_blocks=256)
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS],
+                           BeamSearchParams(beam_width=4, max_tokens=MAX_NEW))
+    for prompt, out in zip(PROMPTS, outs):
+        _assert_same(out, *hf_beam_search(model, prompt, 4, EOS))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", [None, "TORCH"])
+def test_cuda_float32_matches_transformers(arch_setup, backend):
+    """On the GPU: the block copies run on the device, decode steps replay CUDA graphs."""
+    model, _ = arch_setup
+    llm = LLM(model.name_or_path, device="cuda", dtype="float32", attention_backend=backend,
+              block_size=16, max_num_batched_tokens=8, max_num_seqs=16)
+    copies = _count_block_copies(llm)
+    for width in (2, 8):
+        outs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS],
+                               BeamSearchParams(beam_width=width, max_tokens=MAX_NEW))
+        for prompt, out in zip(PROMPTS, outs):
+            _assert_same(out, *hf_beam_search(model, prompt, width, EOS))
+    assert sum(copies) > 0
