@@ -111,10 +111,12 @@ def throughput_rows(llm: LLM, model_dir: str, prompts: list[list[int]], widths: 
     rows = []
     for width in widths:
         params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, ignore_eos=True)
+        # EOS ignored as hitchllm's ignore_eos does (generate() would fall back to the
+        # checkpoint's EOS for an unset one).
+        hf.generation_config.eos_token_id = None
         cfg = transformers.GenerationConfig(
             num_beams=width, num_return_sequences=width, do_sample=False,
-            max_new_tokens=max_tokens, min_new_tokens=max_tokens, eos_token_id=None,
-            pad_token_id=0)
+            max_new_tokens=max_tokens, eos_token_id=None, pad_token_id=0)
 
         def run_hf(cfg=cfg):
             with torch.no_grad():

@@ -112,3 +112,32 @@ def test_a_failing_step_leaves_the_engine_clean(llm, monkeypatch):
     out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=3),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_lora_request_is_refused(llm):
+    with pytest.raises(ValueError, match="lora_request: beam search runs the base model"):
+        llm.beam_search(PROMPTS, BeamSearchParams(beam_width=2, max_tokens=4),
+                        lora_request=object())
+
+
+def test_progress_counts_finished_prompts(llm, monkeypatch):
+    import hitchllm.entrypoints.llm as llm_module
+
+    updates = []
+
+    class Bar:
+        def __init__(self, **kwargs):
+            assert kwargs["total"] == len(PROMPTS)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def update(self, n):
+            updates.append(n)
+
+    monkeypatch.setattr(llm_module, "tqdm", Bar)
+    llm.beam_search(PROMPTS, BeamSearchParams(beam_width=2, max_tokens=4), use_tqdm=True)
+    assert updates == [1] * len(PROMPTS)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -139,9 +139,10 @@ class _Search:
 class _BeamSearchRun:
     """The search of a batch of prompts on one engine; ``run`` returns the outputs."""
 
-    def __init__(self, engine: LLMEngine, params: BeamSearchParams,
-                 searches: list[_Search]) -> None:
+    def __init__(self, engine: LLMEngine, params: BeamSearchParams, searches: list[_Search],
+                 on_done: Callable[[], None] | None = None) -> None:
         self.engine = engine
+        self.on_done = on_done
         self.scheduler = engine.scheduler
         self.params = params
         self.searches = searches
@@ -182,6 +183,8 @@ class _BeamSearchRun:
                     self._advance(search)
                     if search.scorer.done:
                         active.remove(search)
+                        if self.on_done is not None:
+                            self.on_done()
         finally:
             self.scheduler.finish_requests(list(self._owner), RequestStatus.FINISHED_ABORTED)
         return [self._output(s) for s in self.searches]
@@ -257,11 +260,12 @@ class _BeamSearchRun:
             for h in search.scorer.finished])
 
 
-def beam_search(engine: LLMEngine, prompts: Sequence[Prompt],
-                params: BeamSearchParams) -> list[BeamSearchOutput]:
+def beam_search(engine: LLMEngine, prompts: Sequence[Prompt], params: BeamSearchParams,
+                on_done: Callable[[], None] | None = None) -> list[BeamSearchOutput]:
     """Run ``params``' beam search for every prompt on ``engine`` (which must have no other
     request); one ``BeamSearchOutput`` per prompt, in order. Raises ``ValueError`` for an
-    invalid prompt or an option the engine cannot honour, before anything runs."""
+    invalid prompt or an option the engine cannot honour, before anything runs.
+    ``on_done`` is called as each prompt's search ends."""
     check_beam_search_supported(engine, params)
     if engine.has_unfinished_requests():
         raise RuntimeError("beam search runs alone: the engine still has requests; finish "
@@ -276,6 +280,6 @@ def beam_search(engine: LLMEngine, prompts: Sequence[Prompt],
         scorer = BeamScorer(params.beam_width, max_tokens, eos, params.length_penalty,
                             params.early_stopping)
         searches.append(_Search(index, text, token_ids, scorer))
-    return _BeamSearchRun(engine, params, searches).run()
+    return _BeamSearchRun(engine, params, searches, on_done).run()
 
 
