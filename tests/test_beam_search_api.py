@@ -63,14 +63,15 @@ def test_a_busy_engine_is_refused(llm):
             llm.engine.step()
 
 
-def test_preempted_beams_are_recomputed_to_the_same_result(tiny_models, llm):
-    """A cache too small for every beam at once: beams are preempted and recomputed (and
-    when the beams of two searches block each other, one search starts over later), and the
-    search gives what it gives with room to spare."""
+@pytest.mark.parametrize("num_kv_blocks", [16, 8])
+def test_preempted_beams_are_recomputed_to_the_same_result(tiny_models, llm, num_kv_blocks):
+    """A cache too small for every beam at once (8 blocks: one beam's worth): beams are
+    preempted and recomputed, and beams that have their logprobs give their blocks up to
+    siblings that wait for them; the search gives what it gives with room to spare."""
     params = BeamSearchParams(beam_width=4, max_tokens=16, ignore_eos=True)
     expected = llm.beam_search(PROMPTS, params)
     tight = LLM(tiny_models["LlamaForCausalLM"], block_size=4, max_num_seqs=8,
-                num_kv_blocks=16)
+                num_kv_blocks=num_kv_blocks)
     got = tight.beam_search(PROMPTS, params)
     assert tight.engine.scheduler.stats.num_preemptions > 0
     for out, exp in zip(got, expected, strict=True):
@@ -78,15 +79,6 @@ def test_preempted_beams_are_recomputed_to_the_same_result(tiny_models, llm):
         assert [s.score for s in out.sequences] == pytest.approx(
             [s.score for s in exp.sequences], rel=1e-5, abs=1e-5)
     kv = tight.engine.kv_cache
-    assert kv.num_free_blocks == kv.num_blocks
-
-
-def test_a_cache_too_small_for_one_search_is_a_clear_error(tiny_models):
-    tiny = LLM(tiny_models["LlamaForCausalLM"], block_size=4, max_num_seqs=8, num_kv_blocks=10)
-    with pytest.raises(RuntimeError, match="cannot hold the beams of one search"):
-        tiny.beam_search(PROMPTS[:1], BeamSearchParams(beam_width=4, max_tokens=16,
-                                                       ignore_eos=True))
-    kv = tiny.engine.kv_cache
     assert kv.num_free_blocks == kv.num_blocks
 
 

@@ -127,14 +127,6 @@ class _Search:
     def ready(self) -> bool:
         return all(b.request.request_id in self.logprobs for b in self.beams)
 
-    def reset(self) -> None:
-        """Forget the search's progress (its beams must be finished first)."""
-        s = self.scorer
-        self.scorer = BeamScorer(s.beam_width, s.max_tokens, tuple(s.eos_token_ids),
-                                 s.length_penalty, s.early_stopping)
-        self.beams = []
-        self.logprobs = {}
-
 
 class _BeamSearchRun:
     """The search of a batch of prompts on one engine; ``run`` returns the outputs."""
@@ -146,7 +138,6 @@ class _BeamSearchRun:
         self.scheduler = engine.scheduler
         self.params = params
         self.searches = searches
-        self.eos_token_ids = () if params.ignore_eos else engine.eos_token_ids
         # Each beam asks for its best next tokens: enough to hold the K candidates overall.
         self.request_params = SamplingParams(
             temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True,
@@ -164,21 +155,12 @@ class _BeamSearchRun:
                     search = waiting.popleft()
                     self._start(search)
                     active.append(search)
-                if not self._step():
-                    # Beams waiting for their siblings hold the blocks the siblings need.
-                    # Give way: the youngest search starts over later, fewer run at once.
-                    if len(active) == 1:
-                        raise RuntimeError(
-                            "beam search made no progress: the KV cache cannot hold the "
-                            f"beams of one search (beam_width={self.params.beam_width}); "
-                            "lower beam_width or max_tokens, or give the cache more blocks "
-                            "(num_kv_blocks / kv_cache_memory)")
-                    search = active.pop()
-                    self._finish(search.beams, RequestStatus.FINISHED_ABORTED)
-                    search.reset()
-                    waiting.appendleft(search)
-                    seats = len(active)
-                    continue
+                # Beams waiting for their siblings may hold the blocks the siblings need:
+                # those that have their logprobs give their blocks up (their children are
+                # computed afresh, from the prefix cache where it still has their blocks).
+                if not self._step() and not self._park_sampled(active):
+                    # One beam always fits (add_request's checks); this is a bug.
+                    raise RuntimeError("beam search made no progress with beams queued")
                 for search in [s for s in active if s.ready]:
                     self._advance(search)
                     if search.scorer.done:
@@ -188,6 +170,14 @@ class _BeamSearchRun:
         finally:
             self.scheduler.finish_requests(list(self._owner), RequestStatus.FINISHED_ABORTED)
         return [self._output(s) for s in self.searches]
+
+    def _park_sampled(self, active: list[_Search]) -> bool:
+        """End the requests of the beams that already have their next-token logprobs (the
+        search keeps their tokens); False when there is none."""
+        parked = [b for s in active for b in s.beams
+                  if b.request.request_id in s.logprobs and not b.request.finished]
+        self._finish(parked, RequestStatus.FINISHED_STOPPED)
+        return bool(parked)
 
     def _new_request(self, search: _Search, output_token_ids: list[int]) -> Request:
         request = Request(
@@ -212,10 +202,10 @@ class _BeamSearchRun:
     def _step(self) -> bool:
         """One engine step of every beam that has something to compute; records the
         next-token logprobs of the beams that reached their end. False when no beam could
-        be scheduled."""
+        be scheduled and none was preempted (preempting makes room for the next step)."""
         plan = self.scheduler.schedule()
         if plan.is_empty:
-            return False
+            return bool(plan.preempted_ids)
         requests = [self.scheduler.requests[rid] for rid in plan.request_ids]
         output = self.engine.executor.execute_model(plan).result()
         # The search, not the sampler, chooses each beam's next token: nothing is appended.
@@ -248,7 +238,7 @@ class _BeamSearchRun:
         ids = [b.request.request_id for b in beams]
         self.scheduler.finish_requests(ids, status)
         for rid in ids:
-            del self._owner[rid]
+            self._owner.pop(rid, None)  # a parked beam is no longer owned
 
     def _output(self, search: _Search) -> BeamSearchOutput:
         decode = self.engine.tokenizer.decode

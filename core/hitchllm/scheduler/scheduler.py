@@ -100,8 +100,8 @@ class Scheduler:
     def fork_request(self, parent: Request, child: Request) -> None:
         """Add ``child``, whose tokens extend ``parent``'s (a beam), sharing ``parent``'s KV
         blocks (``KVCacheManager.fork``): it runs at once, computing only its new tokens.
-        A parent that holds no blocks (it was preempted) gives nothing to share: the child
-        then queues and is computed from its prompt like any request.
+        A parent that holds no blocks (preempted, or already finished) gives nothing to
+        share: the child then queues and is computed from its prompt like any request.
 
         The parent must not be scheduled again while it shares its partial last block (beam
         search finishes every parent right after forking it): copy-on-write replaces blocks
