@@ -5,7 +5,9 @@ wait for it."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -16,6 +18,7 @@ from hitchllm.engine.async_engine import AsyncLLMEngine
 from hitchllm.engine.llm_engine import LLMEngine
 from hitchllm.entrypoints.openai.metrics import ServerMetrics
 from hitchllm.entrypoints.openai.server import build_app
+from hitchllm.sampling_params import SamplingParams
 
 MODEL = "tiny"
 ARGS = dict(block_size=4, max_model_len=128, max_num_seqs=8, num_kv_blocks=128)
@@ -109,3 +112,46 @@ def test_a_search_waits_for_running_requests_and_requests_wait_for_it(http):
     assert len(results["search"].json()["choices"]) == 4
     assert results["long"].json()["usage"]["completion_tokens"] == 60
     assert results["late"].json()["usage"]["completion_tokens"] == 3
+
+
+def test_engine_thread_order_search_after_running_requests_before_later_ones(llama_path):
+    """A search starts once the request running before it has finished; a request sent after
+    it is held until it is done; a held request that is aborted ends at once."""
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=llama_path, attention_backend="TORCH",
+                                                   **ARGS)))
+    times: dict[str, float] = {}
+
+    async def generate(name, max_tokens, request_id=None):
+        outs = [o async for o in engine.generate(
+            {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=max_tokens,
+                                                            ignore_eos=True),
+            request_id=request_id)]
+        times[name] = time.monotonic()
+        return outs[-1]
+
+    async def search():
+        out = await engine.beam_search([{"prompt_token_ids": [4, 5, 6]}],
+                                       BeamSearchParams(beam_width=4, max_tokens=12))
+        times["search"] = time.monotonic()
+        return out
+
+    async def main():
+        long = asyncio.create_task(generate("long", 40))
+        await asyncio.sleep(0)
+        searched = asyncio.create_task(search())
+        await asyncio.sleep(0)
+        late = asyncio.create_task(generate("late", 3))
+        held = asyncio.create_task(generate("held", 3, request_id="held"))
+        await asyncio.sleep(0)
+        engine.abort("held")
+        return await asyncio.gather(long, searched, late, held)
+
+    try:
+        long, [found], late, held = asyncio.run(asyncio.wait_for(main(), timeout=60))
+    finally:
+        engine.shutdown()
+    assert len(long.outputs[0].token_ids) == 40 and len(late.outputs[0].token_ids) == 3
+    assert len(found.sequences) == 4
+    assert held.outputs[0].finish_reason == "abort" and held.outputs[0].token_ids == []
+    assert times["long"] <= times["search"] <= times["late"]
+    assert times["held"] <= times["search"]
