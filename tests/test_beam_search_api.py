@@ -24,6 +24,7 @@ def llm(tiny_models):
     (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
     (dict(temperature=0.7), "temperature=0.7 is not supported by beam search"),
     (dict(early_stopping="sometimes"), "early_stopping must be True, False or 'never'"),
+    (dict(length_penalty=float("nan")), "length_penalty must be a finite number"),
 ])
 def test_bad_params_name_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -87,6 +87,30 @@ def test_options_beam_search_cannot_honour_are_400(http, body, param, match):
     assert error["param"] == param
 
 
+def test_chat_has_no_beam_search(http):
+    r = http.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2,
+        "use_beam_search": True})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "use_beam_search"
+
+
+def test_an_engine_client_without_beam_search_is_a_clear_error(llama_path):
+    """Data-parallel replicas (an ``EngineClient`` without ``beam_search``) refuse it."""
+    from hitchllm.entrypoints.openai.protocol import CompletionRequest
+    from hitchllm.entrypoints.openai.serving import OpenAIServing
+
+    class Replicas:
+        max_model_len = 128
+
+    from transformers import AutoTokenizer
+
+    serving = OpenAIServing(Replicas(), MODEL, AutoTokenizer.from_pretrained(llama_path), None)
+    req = CompletionRequest(model=MODEL, prompt="x", n=2, use_beam_search=True)
+    with pytest.raises(ValueError, match="use_beam_search is not available on this server"):
+        asyncio.run(serving.completions(req))
+
+
 def test_a_search_waits_for_running_requests_and_requests_wait_for_it(http):
     results = {}
 

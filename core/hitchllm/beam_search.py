@@ -15,6 +15,7 @@ runs while the engine has no other request.
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -59,6 +60,10 @@ class BeamSearchParams:
                 f"temperature={self.temperature} is not supported by beam search: only "
                 "deterministic beam search (temperature=0) is implemented; use "
                 "SamplingParams with temperature > 0 to sample")
+        if isinstance(self.length_penalty, bool) or not isinstance(
+                self.length_penalty, (int, float)) or not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got "
+                             f"{self.length_penalty!r}")
         if self.early_stopping not in (True, False, "never"):
             raise ValueError(f"early_stopping must be True, False or 'never' (Hugging Face's "
                              f"values), got {self.early_stopping!r}")
