@@ -29,9 +29,9 @@ def copy_blocks(caches: Sequence[torch.Tensor], dims: Sequence[int],
                 copies: Sequence[tuple[int, int]]) -> None:
     """Copy block ``src`` onto block ``dst`` for every pair in ``copies``, in every cache.
 
-    Pairs are applied together: no destination is another pair's source (destinations are
-    freshly allocated blocks), so gathering every source first is the same as copying in
-    order.
+    Pairs are applied together: every source is gathered first. That equals copying in order
+    because no destination is the source of a later pair (a destination is fresh, held by one
+    request, and only forks, which happen between steps, share a block).
     """
     if not copies or not caches:
         return
