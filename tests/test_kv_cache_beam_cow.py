@@ -69,6 +69,11 @@ class ForkingCache(RuleBasedStateMachine):
         for src, dst in self.kv.take_block_copies():
             self.device[dst] = list(self.device[src])
         request.num_computed_tokens += num_hit
+        self._write(request, num_new)
+        return True
+
+    def _write(self, request: Request, num_new: int) -> None:
+        """The forward's writes of the request's next ``num_new`` tokens."""
         blocks = self.kv.block_pool.blocks
         ids = self.kv.get_block_ids(request.request_id)
         for pos in range(request.num_computed_tokens, request.num_computed_tokens + num_new):
@@ -76,7 +81,6 @@ class ForkingCache(RuleBasedStateMachine):
             assert blocks[block].ref_cnt == 1, "a write into a block another request holds"
             self.device[block][pos % BLOCK_SIZE] = request.all_token_ids[pos]
         request.num_computed_tokens += num_new
-        return True
 
     def _admit(self, request: Request) -> bool:
         hit, _ = self.kv.get_computed_blocks(request)
@@ -110,6 +114,36 @@ class ForkingCache(RuleBasedStateMachine):
             request.append_output_token(token)
         self._compute(request, request.num_tokens - request.num_computed_tokens)
 
+    @precondition(lambda self: len(self.running) > 1)
+    @rule(data=st.data(), token=st.integers(30, 33))
+    def step(self, data, token: int) -> None:
+        """A scheduler step: several requests allocate (copy-on-write among them); when one
+        does not fit, a request not in the batch is preempted (its blocks may then be reused
+        by the batch in the same step); the copies of the whole step are applied together,
+        every source gathered first, as the runner does; then the batch writes."""
+        batch = data.draw(st.lists(st.sampled_from(self.running), min_size=1, unique=True))
+        scheduled = []
+        for request in batch:
+            if request not in self.running:
+                continue  # preempted earlier in this step
+            if request.num_computed_tokens == request.num_tokens:
+                request.append_output_token(token)
+            num_new = request.num_tokens - request.num_computed_tokens
+            while not self.kv.allocate_slots(request, num_new):
+                done = [r for r, _ in scheduled]
+                others = [r for r in self.running if r is not request and r not in done]
+                if not others:
+                    break
+                self._preempt(data.draw(st.sampled_from(others)))
+            else:
+                scheduled.append((request, num_new))
+        copies = self.kv.take_block_copies()
+        sources = {src: list(self.device[src]) for src, _ in copies}
+        for src, dst in copies:
+            self.device[dst] = list(sources[src])
+        for request, num_new in scheduled:
+            self._write(request, num_new)
+
     @precondition(lambda self: self.running or self.preempted)
     @rule(data=st.data())
     def finish(self, data) -> None:
@@ -121,7 +155,9 @@ class ForkingCache(RuleBasedStateMachine):
     @precondition(lambda self: self.running)
     @rule(data=st.data())
     def preempt(self, data) -> None:
-        request = data.draw(st.sampled_from(self.running))
+        self._preempt(data.draw(st.sampled_from(self.running)))
+
+    def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
