@@ -19,6 +19,7 @@ from hitchllm.attention import (
     KVCacheSpec,
     set_forward_context,
 )
+from hitchllm.attention.block_copy import block_dim, copy_blocks
 from hitchllm.engine.cuda_graphs import graphs_for
 from hitchllm.engine.input_batch import InputBatch, RequestState
 from hitchllm.engine.prompt_logprobs import compute_prompt_logprobs
@@ -27,7 +28,6 @@ from hitchllm.engine.runner_output import PendingOutput, RunnerOutput
 from hitchllm.engine.sampler import Sampler
 from hitchllm.engine.sampling_metadata import build_sampling_metadata
 from hitchllm.engine.step_buffers import StepBuffers
-from hitchllm.kv_cache.block_copy import block_dim, copy_blocks
 from hitchllm.logits_processor import LogitsEdit, LogitsProcessor, LogitsRow
 from hitchllm.sampling_params import SamplingParams
 from hitchllm.scheduler.step_plan import StepPlan

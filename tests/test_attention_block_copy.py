@@ -4,11 +4,14 @@ block dimension is found from its shape and ``copy_blocks`` copies exactly the n
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from hitchllm.attention import KVCacheKind, KVCacheSpec
-from hitchllm.kv_cache.block_copy import block_dim, copy_blocks
+from hitchllm.attention.block_copy import block_dim, copy_blocks
 from hitchllm.plugins import get_plugin_registry
 
 NUM_BLOCKS = 6
@@ -58,3 +61,14 @@ def test_fp8_caches_are_copied_as_bytes():
     assert torch.equal(cache.view(torch.uint8).select(dim, 5), old.select(dim, 2))
 
 
+
+
+def test_the_runner_loads_nothing_of_the_scheduler_side_at_run_time():
+    """The device copy lives beside the attention backends: importing the model runner (as a
+    worker process does) loads neither requests nor the KV cache manager."""
+    code = ("import sys, hitchllm.engine.model_runner; "
+            "print(sorted(m for m in ('hitchllm.request', 'hitchllm.kv_cache.manager', "
+            "'hitchllm.scheduler.scheduler') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.strip() == "[]"

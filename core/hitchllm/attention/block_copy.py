@@ -11,7 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
-from hitchllm.attention import AttentionBackend, KVCacheSpec
+from hitchllm.attention.backend import AttentionBackend
+from hitchllm.attention.kv_cache_spec import KVCacheSpec
 
 
 def block_dim(backend: type[AttentionBackend], kv_spec: KVCacheSpec) -> int:
