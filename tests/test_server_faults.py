@@ -272,7 +272,7 @@ def test_abort_ends_the_stream_with_a_finished_output(app_engine):
 
 def test_fields_the_server_does_not_implement_are_400_by_name(app_engine):
     http, _ = app_engine
-    for field, value in [("no_such_field", 1), ("use_beam_search", True),
+    for field, value in [("no_such_field", 1), ("early_stopping", True),
                          ("length_penalty", 0.5)]:
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2,
                                                field: value})

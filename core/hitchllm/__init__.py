@@ -15,6 +15,7 @@ from hitchllm.plugins import hookimpl
 from hitchllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
+    from hitchllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
     from hitchllm.config import EngineConfig
     from hitchllm.engine.llm_engine import LLMEngine
     from hitchllm.entrypoints.llm import LLM
@@ -23,6 +24,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "CompletionOutput",
     "EngineConfig",
     "LLMEngine",
@@ -37,6 +41,9 @@ __all__ = [
 ]
 
 _LAZY = {
+    "BeamSearchOutput": "hitchllm.beam_search",
+    "BeamSearchParams": "hitchllm.beam_search",
+    "BeamSearchSequence": "hitchllm.beam_search",
     "LLM": "hitchllm.entrypoints.llm",
     "LLMEngine": "hitchllm.engine.llm_engine",
     "EngineConfig": "hitchllm.config",
@@ -44,7 +51,8 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
-    # The engine pulls in transformers; plugins importing ``hookimpl`` should not pay for it.
+    # The engine pulls in transformers; plugins importing ``hookimpl`` should not pay for it
+    # (nor a worker process, which imports the model runner, for the scheduler's side).
     if name in _LAZY:
         import importlib
 

@@ -1,10 +1,10 @@
 """An asyncio front for ``LLMEngine``: the engine steps in its own thread; request handlers
 await per-request output queues and never block it.
 
-Only the engine thread touches the ``LLMEngine``. Handlers send it commands (add, abort)
-through a thread-safe queue; it answers through ``loop.call_soon_threadsafe``. A handler that
-stops listening (a client disconnected) aborts its request, which frees its KV blocks at the
-start of the engine's next step.
+Only the engine thread touches the ``LLMEngine``. Handlers send it commands (add, abort,
+beam search) through a thread-safe queue; it answers through ``loop.call_soon_threadsafe``.
+A handler that stops listening (a client disconnected) aborts its request, which frees its KV
+blocks at the start of the engine's next step.
 """
 
 from __future__ import annotations
@@ -15,14 +15,16 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hitchllm.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from hitchllm.config import EngineConfig
 from hitchllm.engine.llm_engine import LLMEngine, Prompt
 from hitchllm.lora import LoRARequest
-from hitchllm.outputs import RequestOutput
+from hitchllm.outputs import CompletionOutput, RequestOutput
 from hitchllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -48,6 +50,13 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _BeamSearch:
+    prompts: list[Prompt]
+    params: BeamSearchParams
+    stream: _RequestStream
 
 
 @dataclass
@@ -79,8 +88,12 @@ class AsyncLLMEngine:
         self.engine = engine
         self.on_step = on_step
         self.on_dead = on_dead
-        self._commands: queue.Queue[_Add | _Abort | None] = queue.Queue()
+        self._commands: queue.Queue[_Add | _Abort | _BeamSearch | None] = queue.Queue()
         self._streams: dict[str, _RequestStream] = {}
+        # A beam search runs alone: it waits for the running requests to finish, and
+        # requests that arrive meanwhile wait for it (so that it cannot starve).
+        self._beam_searches: deque[_BeamSearch] = deque()
+        self._held: list[_Add] = []
         self._ids = itertools.count()
         self._dead: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="hitchllm-engine", daemon=True)
@@ -154,6 +167,21 @@ class AsyncLLMEngine:
             if not finished:
                 self._commands.put(_Abort(request_id))
 
+    async def beam_search(
+        self, prompts: list[Prompt], params: BeamSearchParams
+    ) -> list[BeamSearchOutput]:
+        """``LLM.beam_search`` on the engine thread. It runs alone: once the requests
+        running when it arrives have finished; requests that arrive meanwhile wait for it.
+        Raises ``ValueError`` for input the search refuses."""
+        if (reason := self.dead_reason) is not None:
+            raise EngineDeadError(reason)
+        stream = _RequestStream(asyncio.get_running_loop())
+        self._commands.put(_BeamSearch(prompts, params, stream))
+        item = await stream.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
     def abort(self, request_id: str) -> None:
         """Stop the request; its stream ends with a finished output (finish_reason
         "abort")."""
@@ -171,10 +199,12 @@ class AsyncLLMEngine:
         try:
             while True:
                 outputs: list[RequestOutput] = []
-                block = not self.engine.has_unfinished_requests()
+                block = not self.engine.has_unfinished_requests() and not self._beam_searches
                 if not self._drain_commands(block, outputs):
                     return
-                if self.engine.has_unfinished_requests():
+                if self._beam_searches and not self.engine.has_unfinished_requests():
+                    self._run_beam_search(self._beam_searches.popleft())
+                elif self.engine.has_unfinished_requests():
                     stepped = self.engine.step()
                     for out in stepped:
                         stream = self._streams.get(out.request_id)
@@ -197,6 +227,29 @@ class AsyncLLMEngine:
             if self.on_dead is not None:
                 self.on_dead(exc)
 
+    def _run_beam_search(self, cmd: _BeamSearch) -> None:
+        """Run one queued beam search; once none is left, add the requests held back."""
+        try:
+            cmd.stream.put(beam_search(self.engine, cmd.prompts, cmd.params))
+        except (ValueError, TypeError, RuntimeError) as exc:  # it fails alone
+            if not isinstance(exc, (ValueError, TypeError)):
+                logger.exception("a beam search failed")
+            cmd.stream.put(exc)
+        if not self._beam_searches:
+            held, self._held = self._held, []
+            for add in held:
+                self._add(add)
+
+    def _add(self, cmd: _Add) -> None:
+        try:
+            self.engine.add_request(cmd.prompt, cmd.params, cmd.request_id, **cmd.kwargs)
+        except Exception as exc:  # a request that cannot be added fails alone
+            if not isinstance(exc, (ValueError, TypeError)):
+                logger.exception("adding request %s failed", cmd.request_id)
+            cmd.stream.put(exc)
+            return
+        self._streams[cmd.request_id] = cmd.stream
+
     def _drain_commands(self, block: bool, aborted: list[RequestOutput]) -> bool:
         """Apply pending commands (final outputs of aborted requests go to ``aborted``); wait
         for one when idle. False means shut down."""
@@ -208,7 +261,17 @@ class AsyncLLMEngine:
             block = False
             if cmd is None:
                 return False
+            if isinstance(cmd, _BeamSearch):
+                self._beam_searches.append(cmd)
+                continue
             if isinstance(cmd, _Abort):
+                # A request held back behind a beam search is dropped before it runs.
+                held = [a for a in self._held if a.request_id == cmd.request_id]
+                for add in held:
+                    self._held.remove(add)
+                    aborted = CompletionOutput(0, "", [], finish_reason="abort")
+                    add.stream.put(RequestOutput(cmd.request_id, None, [], [aborted],
+                                                 finished=True))
                 stream = self._streams.pop(cmd.request_id, None)
                 if stream is not None:
                     final = self.engine.abort_request(cmd.request_id)
@@ -216,11 +279,7 @@ class AsyncLLMEngine:
                         stream.put(out)
                     aborted += final
                 continue
-            try:
-                self.engine.add_request(cmd.prompt, cmd.params, cmd.request_id, **cmd.kwargs)
-            except Exception as exc:  # a request that cannot be added fails alone
-                if not isinstance(exc, (ValueError, TypeError)):
-                    logger.exception("adding request %s failed", cmd.request_id)
-                cmd.stream.put(exc)
-                continue
-            self._streams[cmd.request_id] = cmd.stream
+            if self._beam_searches:
+                self._held.append(cmd)
+            else:
+                self._add(cmd)

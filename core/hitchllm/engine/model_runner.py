@@ -19,6 +19,7 @@ from hitchllm.attention import (
     KVCacheSpec,
     set_forward_context,
 )
+from hitchllm.attention.block_copy import block_dim, copy_blocks
 from hitchllm.engine.cuda_graphs import graphs_for
 from hitchllm.engine.input_batch import InputBatch, RequestState
 from hitchllm.engine.prompt_logprobs import compute_prompt_logprobs
@@ -95,6 +96,8 @@ class ModelRunner:
                 f"{'an' if spec.use_mla else 'no'} MLA latent KV cache; the layers declare "
                 f"{sorted({s.kind.value for s in self.kv_cache_specs})}")
         self.kv_caches: list[torch.Tensor] = []
+        # Each cache tensor's block dimension, for copy-on-write block copies.
+        self.kv_block_dims = [block_dim(backend, s) for s in self.kv_cache_specs]
         # Uniform decode batches up to the largest size are padded to a capture size (and
         # replayed from a graph once ``capture_cuda_graphs`` ran), so eager and graph runs of
         # the same batch launch the very same kernels. With a backend that allows it, so are
@@ -236,6 +239,7 @@ class ModelRunner:
         for new in plan.new_requests:
             batch.add(new, [p for p in self.logits_processors
                             if p.is_used_by(new.sampling_params)])
+        copy_blocks(self.kv_caches, self.kv_block_dims, plan.block_copies)
         if plan.is_empty:
             return PendingOutput()
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from hitchllm.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from hitchllm.config import EngineConfig
 from hitchllm.engine.llm_engine import LLMEngine, Prompt
 from hitchllm.outputs import RequestOutput
@@ -97,6 +98,26 @@ class LLM:
             self.engine.abort_request(ids)
             raise
         return self._run(ids, use_tqdm)
+
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+        lora_request: Any = None, use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (a string or ``{"prompt_token_ids": [...]}``); per
+        prompt its ``params.beam_width`` best sequences, best first, scored as Hugging Face's
+        ``generate(num_beams=...)`` scores them. Beams share KV blocks copy-on-write. Raises
+        ``ValueError`` naming the option the engine cannot honour (``beam_width`` above
+        ``max_num_seqs``, speculative decoding, ``temperature > 0``, a ``lora_request``).
+        ``use_tqdm`` shows the prompts as their searches finish."""
+        if lora_request is not None:
+            raise ValueError("lora_request: beam search runs the base model only; call "
+                             "beam_search without an adapter")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        with tqdm(total=len(prompts), desc="Beam search", unit="prompt",
+                  disable=not use_tqdm) as bar:
+            return beam_search(self.engine, prompts, params, on_done=lambda: bar.update(1))
 
     def chat(
         self,

@@ -16,6 +16,12 @@ class KVCacheManager:
     ``prefix_share_key`` (the children of an ``n > 1`` request share their prompt even with
     caching off). Only full blocks whose tokens are all known are hashed and registered.
     The scheduler owns ``request.num_computed_tokens``; this class only reads it.
+
+    Forking (``fork``, beam search) gives a child request its parent's blocks with one more
+    reference each. A block that more than one request holds is read-only: the first write of
+    a request into a shared block (its partial last block, where sibling beams diverge) moves
+    it onto a fresh copy (copy-on-write); ``take_block_copies`` hands the (source,
+    destination) pairs to the step that must copy them on the device before its forward.
     """
 
     def __init__(
@@ -40,6 +46,8 @@ class KVCacheManager:
         self._num_registered: dict[str, int] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # Copy-on-write block copies decided since the last ``take_block_copies``.
+        self._block_copies: list[tuple[int, int]] = []
 
     @property
     def num_blocks(self) -> int:
@@ -126,9 +134,11 @@ class KVCacheManager:
         num_new_blocks = max(0, num_needed - len(blocks) - len(hit))
         # A hit on a free cached block takes it out of the free pool too.
         num_hit_free = sum(1 for block in hit if block.ref_cnt == 0)
-        if num_new_blocks + num_hit_free > self.block_pool.num_free_blocks:
+        shared = self._shared_blocks_to_write(request, blocks) if num_new_tokens else []
+        if num_new_blocks + num_hit_free + len(shared) > self.block_pool.num_free_blocks:
             return False
 
+        self._copy_on_write(request, blocks, shared)
         self.block_pool.touch(hit)
         new = self.block_pool.get_new_blocks(num_new_blocks)
         if hit:  # only for a request that holds no block yet
@@ -144,6 +154,50 @@ class KVCacheManager:
                 self.prefix_cache_hits += num_hit_tokens
             self._register_full_blocks(request, min(num_computed_after, request.num_tokens))
         return True
+
+    def _shared_blocks_to_write(self, request: Request, blocks: list[KVCacheBlock]) -> list[int]:
+        """Indices of the request's blocks that this step writes into and that another
+        request also holds (only a fork's blocks can be: prefix-cache hits are full blocks,
+        never written again)."""
+        first = request.num_computed_tokens // self.block_size
+        return [i for i in range(first, len(blocks)) if blocks[i].ref_cnt > 1]
+
+    def _copy_on_write(self, request: Request, blocks: list[KVCacheBlock],
+                       indices: list[int]) -> None:
+        """Give the request a private copy of each shared block at ``indices``: a fresh block
+        replaces it in the request's table, the shared one loses this request's reference,
+        and the copy is queued for the device (``take_block_copies``)."""
+        if not indices:
+            return
+        block_ids = self._block_ids[request.request_id]
+        for i, fresh in zip(indices, self.block_pool.get_new_blocks(len(indices))):
+            self._block_copies.append((blocks[i].block_id, fresh.block_id))
+            self.block_pool.free_blocks([blocks[i]])  # still held by the other request(s)
+            blocks[i] = fresh
+            block_ids[i] = fresh.block_id
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Let ``child`` (whose tokens extend ``parent``'s) share every block of ``parent``:
+        one more reference per block, no copy. The shared partial last block is copied when
+        either of them first writes into it (see ``allocate_slots``)."""
+        if child.request_id in self._blocks:
+            raise ValueError(f"request {child.request_id} already holds blocks; fork a new "
+                             "request")
+        pid, cid = parent.request_id, child.request_id
+        blocks = self._blocks.get(pid, [])
+        self.block_pool.touch(blocks)
+        self._blocks[cid] = list(blocks)
+        self._block_ids[cid] = list(self._block_ids.get(pid, []))
+        if pid in self._hashes:  # the parent's full blocks are a prefix of the child's
+            self._hashes[cid] = list(self._hashes[pid])
+        if pid in self._num_registered:
+            self._num_registered[cid] = self._num_registered[pid]
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """The (source, destination) block copies decided since the last call, in order;
+        they must run on the device before the next forward reads or writes the blocks."""
+        copies, self._block_copies = self._block_copies, []
+        return copies
 
     def _register_full_blocks(self, request: Request, num_known_tokens: int) -> None:
         """Offer the request's full blocks covering ``num_known_tokens`` to the prefix cache."""

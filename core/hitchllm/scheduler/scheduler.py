@@ -97,6 +97,27 @@ class Scheduler:
         self.config.policy.enqueue(self.waiting, request)
         self.requests[request.request_id] = request
 
+    def fork_request(self, parent: Request, child: Request) -> None:
+        """Add ``child``, whose tokens extend ``parent``'s (a beam), sharing ``parent``'s KV
+        blocks (``KVCacheManager.fork``): it runs at once, computing only its new tokens.
+        A parent that holds no blocks (preempted, or already finished) gives nothing to
+        share: the child then queues and is computed from its prompt like any request.
+
+        The parent must not be scheduled again while it shares its partial last block (beam
+        search finishes every parent right after forking it): copy-on-write replaces blocks
+        only of requests the runner has not been sent yet.
+        """
+        if parent.status != RequestStatus.RUNNING or not parent.num_computed_tokens:
+            self.add_request(child)
+            return
+        self.kv_cache.fork(parent, child)
+        self.requests[child.request_id] = child
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
+        for gate in self.gates:
+            gate.admitted(child)
+
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """End requests (abort, stop string found): free their blocks at once."""
         for rid in request_ids:
@@ -199,6 +220,7 @@ class Scheduler:
         plan = StepPlan([r.request_id for r in requests], counts, computed, samples)
         for request in requests:
             self._plan_request(plan, request)
+        plan.block_copies = self.kv_cache.take_block_copies()
         plan.preempted_ids, self._preempted = self._preempted, []
         plan.finished_ids, self._finished = self._finished, []
         self.stats.num_running = len(self.running)

@@ -59,6 +59,9 @@ class StepPlan:
     # requests) or finished since the previous step.
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)
+    # Copy-on-write: (source, destination) KV block ids to copy in every layer's cache, in
+    # order, before this step's forward (a forked beam's first write into a shared block).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -9,6 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from hitchllm.beam_search import BeamSearchParams
 from hitchllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 # vLLM's legacy extra-body aliases -> the StructuredOutputsParams field each one sets.
@@ -135,6 +136,19 @@ class _SamplingFields(BaseModel):
         )
 
 
+# Fields beam search cannot honour -> the values that mean "not used".
+_BEAM_SEARCH_CONFLICTS: dict[str, tuple[Any, ...]] = {
+    "stream": (False,), "echo": (False,), "logprobs": (None,), "prompt_logprobs": (None,),
+    "top_p": (None, 1.0), "top_k": (None, 0, -1), "min_p": (None, 0.0), "seed": (None,),
+    "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0),
+    "repetition_penalty": (None, 1.0), "stop": (None, [], ""), "stop_token_ids": (None, []),
+    "min_tokens": (0,), "logit_bias": (None, {}), "allowed_token_ids": (None,),
+    "bad_words": (None, []), "response_format": (None,), "structured_outputs": (None,),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+    "guided_grammar": (None,), "truncate_prompt_tokens": (None,),
+}
+
+
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``."""
 
@@ -144,6 +158,9 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    # vLLM's beam search: ``n`` is the beam width, the ``n`` best beams are the choices.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
@@ -151,7 +168,30 @@ class CompletionRequest(_SamplingFields):
             bad.append("best_of")
         if self.suffix:
             bad.append("suffix")
+        if self.length_penalty != 1.0 and not self.use_beam_search:
+            bad.append("length_penalty")  # it ranks beams; sampling has none
         return bad
+
+    def beam_search_params(self, max_model_len: int) -> BeamSearchParams:
+        """The beam search of a ``use_beam_search`` request; ``ValueError`` naming a field
+        that beam search cannot honour. ``max_tokens`` null means up to max_model_len."""
+        conflicts = [name for name, default in _BEAM_SEARCH_CONFLICTS.items()
+                     if getattr(self, name) not in default]
+        if conflicts:
+            raise ValueError(f"{conflicts[0]} cannot be used with use_beam_search (beam search "
+                             f"is deterministic and returns whole beams); drop "
+                             f"{', '.join(conflicts)}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1 (the beam width with use_beam_search), got "
+                             f"{self.n}")
+        if self.temperature:
+            raise ValueError(f"temperature must be 0 (or unset) with use_beam_search, got "
+                             f"{self.temperature}: only deterministic beam search is "
+                             "implemented")
+        return BeamSearchParams(
+            beam_width=self.n, max_tokens=max_model_len if self.max_tokens is None
+            else self.max_tokens, ignore_eos=self.ignore_eos,
+            length_penalty=self.length_penalty)
 
     @property
     def echo_only(self) -> bool:

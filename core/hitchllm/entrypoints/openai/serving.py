@@ -161,6 +161,8 @@ class OpenAIServing:
         self, req: CompletionRequest, lora_request: LoRARequest | None = None
     ) -> dict[str, Any] | AsyncIterator[str]:
         """``/v1/completions``, run with ``lora_request``'s adapter when given."""
+        if req.use_beam_search:
+            return await self._beam_search_completions(req, lora_request)
         _check_no_streamed_prompt_logprobs(req)
         params = req.completion_params()
         batch = await self._start(await self.tokenize_prompts(req.prompts(), params), params,
@@ -179,6 +181,31 @@ class OpenAIServing:
         if req.stream:  # echo only: the whole answer is known at once
             return self._stream_whole(req, head, choices, usage)
         return {**head, "choices": choices, "usage": usage}
+
+    async def _beam_search_completions(
+        self, req: CompletionRequest, lora_request: LoRARequest | None
+    ) -> dict[str, Any]:
+        """vLLM's ``use_beam_search``: per prompt the ``n`` best beams, best first, as its
+        choices (index ``prompt * n + rank``)."""
+        search = getattr(self.engine, "beam_search", None)
+        if search is None:
+            raise ValueError("use_beam_search is not available on this server (data-parallel "
+                             "replicas); serve with one engine for beam search")
+        if lora_request is not None:
+            raise ValueError("model: beam search runs the base model only; name the base "
+                             "model, not a LoRA adapter")
+        params = req.beam_search_params(self.engine.max_model_len)
+        prompts = await self.tokenize_prompts(req.prompts(), SamplingParams())
+        outputs = await search(prompts, params)
+        choices = [{"index": i * req.n + j, "text": seq.text, "logprobs": None,
+                    "finish_reason": seq.finish_reason, "stop_reason": None}
+                   for i, out in enumerate(outputs) for j, seq in enumerate(out.sequences)]
+        prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+        completion_tokens = sum(len(s.output_token_ids) for o in outputs for s in o.sequences)
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                "created": int(time.time()), "model": self.model_name, "choices": choices,
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                          "total_tokens": prompt_tokens + completion_tokens}}
 
     def _completion_choice(
         self, req: CompletionRequest, i: int, out: RequestOutput, seq: CompletionOutput
