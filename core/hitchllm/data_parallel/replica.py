@@ -60,8 +60,11 @@ class ReplicaSpec:
 def run_replica(spec: ReplicaSpec, conn: Connection) -> None:
     """The replica process's entry point (its devices and threads are set by the
     environment the server started it with)."""
-    # Ctrl-C reaches the whole process group; the server stops its replicas itself.
+    # Ctrl-C reaches the whole process group, and so does SIGTERM where a service manager
+    # stops the group (systemd); the server drains its requests, then stops its replicas
+    # itself (a no-op handler, not SIG_IGN, which processes this one starts would inherit).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: None)
     from hitchllm.engine.async_engine import AsyncLLMEngine
     from hitchllm.engine.llm_engine import LLMEngine
     from hitchllm.entrypoints.openai.metrics import ServerMetrics
