@@ -233,7 +233,7 @@ class DataParallelEngine:
                                replica.index)
                 replica.process.kill()
                 replica.process.join(5)
-            replica.conn.close()
+            replica.close()
 
     # ---- replies from the replicas ------------------------------------------------------
 
