@@ -130,9 +130,10 @@ def health(url: str) -> tuple[int, str]:
         return 0, ""
 
 
-def post(url: str, path: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(f"{url}{path}", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
+def post(url: str, path: str, body: dict | None) -> tuple[int, dict]:
+    """POST ``body`` (GET when None); the status and the JSON answer."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(f"{url}{path}", data, {"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=60) as r:
             return r.status, json.loads(r.read())
@@ -211,6 +212,17 @@ def test_bad_requests_get_the_one_engine_errors_and_leave_no_request_behind(dp, 
     want = reference.post("/v1/completions", json=body).json()
     status, got = post(dp.url, "/v1/completions", body)
     assert status == 200 and got["usage"] == want["usage"]
+    # The routes the server answers itself: the same with one engine.
+    for method, path, body in [
+        ("GET", "/v1/models", None), ("GET", f"/v1/models/{MODEL}", None),
+        ("GET", "/v1/models/nope", None), ("POST", "/tokenize", {"prompt": "hello"}),
+        ("POST", "/tokenize", {"messages": CHAT["messages"], "model": MODEL}),
+        ("POST", "/tokenize", {"prompt": "x", "model": "nope"}),
+        ("POST", "/detokenize", {"tokens": [5, 6]}), ("POST", "/detokenize", {"tokens": [10**6]}),
+    ]:
+        want = reference.request(method, path, json=body)
+        got = post(dp.url, path, body)
+        assert got == (want.status_code, want.json()), path
     client = openai.OpenAI(base_url=f"{dp.url}/v1", api_key="none", max_retries=0, timeout=30)
     with pytest.raises(openai.BadRequestError, match="max_model_len"):
         client.completions.create(model=MODEL, prompt=[1] * 300, max_tokens=1)
@@ -418,3 +430,26 @@ def test_sigterm_while_the_replicas_load_stops_them(monkeypatch, llama_path):
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert seen == [api_server._exit_on_signal]
+
+
+def test_a_bad_argument_is_one_error_line_not_a_traceback_per_replica(tmp_path, caplog):
+    """What a user gets wrong (a bad checkpoint, max_model_len too large) is reported once by
+    the server, as with one engine; each replica logs no traceback of it. A replica's own
+    failure (not a ValueError) still logs its traceback, the server only gets its name."""
+    import multiprocessing
+
+    from hitchllm.data_parallel.messages import StartFailed
+    from hitchllm.data_parallel.replica import ReplicaSpec, run_replica
+
+    (tmp_path / "config.json").write_text("{}")
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    ours, theirs = multiprocessing.Pipe()
+    try:
+        run_replica(ReplicaSpec(0, EngineConfig(model=str(tmp_path)), MODEL), theirs)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    message = ours.recv()
+    assert isinstance(message, StartFailed) and message.error.kind == "invalid"
+    assert "architectures" in message.error.message
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"

@@ -74,9 +74,11 @@ def run_replica(spec: ReplicaSpec, conn: Connection) -> None:
         for lora in spec.lora_modules:
             engine.add_lora(lora)
     except BaseException as exc:  # the server reports it and stops the other replicas
+        if isinstance(exc, ValueError):  # a bad argument: the server's one line says it all
+            conn.send(StartFailed(WireError.of(exc)))
+            return
         logger.exception("data-parallel replica %d failed to start", spec.index)
-        conn.send(StartFailed(WireError.of(exc) if isinstance(exc, ValueError)
-                              else WireError("internal", f"{type(exc).__name__}: {exc}")))
+        conn.send(StartFailed(WireError("internal", f"{type(exc).__name__}: {exc}")))
         return
     metrics = ServerMetrics(spec.metrics_name, spec.max_loras)
     server = _ReplicaServer(spec.index, conn, metrics)
