@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -314,6 +315,7 @@ def test_a_replica_that_stops_reading_stalls_no_one_else(dp):
                             {"model": MODEL, "prompt": prompt, "max_tokens": 1}))
 
     threads = [threading.Thread(target=send, args=(k,)) for k in range(2)]
+    prompt_tokens = scrape(url, "hitchllm:prompt_tokens_total")
     os.kill(dp.replica_pids[0], signal.SIGSTOP)
     try:
         # Whether the first goes to the stopped replica or to the other (and is answered
@@ -332,6 +334,12 @@ def test_a_replica_that_stops_reading_stalls_no_one_else(dp):
                                            extra_body={"ignore_eos": True})
         assert answer.usage.completion_tokens == 2
         assert health(url)[0] == 200
+        # /metrics answers within a scrape timeout (here 8 s; Prometheus' default is 10 s),
+        # with the stopped replica's last numbers.
+        with urllib.request.urlopen(f"{url}/metrics", timeout=8) as r:
+            text = r.read().decode()
+        total = re.search(r"^hitchllm:prompt_tokens_total\{.*\} (\S+)$", text, re.M)
+        assert total is not None and float(total.group(1)) > prompt_tokens
     finally:
         os.kill(dp.replica_pids[0], signal.SIGCONT)
     for t in threads:

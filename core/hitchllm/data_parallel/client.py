@@ -52,6 +52,9 @@ logger = logging.getLogger(__name__)
 
 # How long a metrics or LoRA call waits for the replicas' answers.
 _CALL_TIMEOUT_S = 30.0
+# How long /metrics waits for them: less than a scraper's timeout (Prometheus' default is
+# 10 s), so that a replica that hangs leaves the scrape answered, with its last numbers.
+_METRICS_TIMEOUT_S = 5.0
 # How long shutdown waits for a replica to exit by itself before terminating it.
 _EXIT_GRACE_S = 10.0
 _ABORTED = object()  # put on a request's queue by ``abort``
@@ -333,11 +336,11 @@ class DataParallelEngine:
         return future
 
     def _metrics_snapshots(self) -> list[list[Family]]:
-        """Each replica's metric families; one that cannot answer gives those it gave last,
-        so that totals do not drop, less its gauges once it has stopped (nothing runs or
-        waits there, and it holds no KV cache)."""
+        """Each replica's metric families; one that cannot answer in time gives those it
+        gave last, so that totals do not drop, less its gauges once it has stopped (nothing
+        runs or waits there, and it holds no KV cache)."""
         futures = [(replica, self._call(replica, "metrics")) for replica in self.replicas]
-        deadline = time.monotonic() + _CALL_TIMEOUT_S
+        deadline = time.monotonic() + _METRICS_TIMEOUT_S
         for replica, future in futures:
             if future is not None:
                 try:
