@@ -55,7 +55,7 @@ _CALL_TIMEOUT_S = 30.0
 # How long /metrics waits for them: less than a scraper's timeout (Prometheus' default is
 # 10 s), so that a replica that hangs leaves the scrape answered, with its last numbers.
 _METRICS_TIMEOUT_S = 5.0
-# How long shutdown waits for a replica to exit by itself before terminating it.
+# How long shutdown waits for a replica to exit by itself before killing it.
 _EXIT_GRACE_S = 10.0
 _ABORTED = object()  # put on a request's queue by ``abort``
 
