@@ -243,7 +243,13 @@ def test_merged_metrics_equal_the_requests_served(dp):
     names = ("e2e_request_latency_seconds_count", "e2e_request_latency_seconds_sum",
              "time_to_first_token_seconds_count", "generation_tokens_total",
              "prompt_tokens_total")
-    before = {n: scrape(url, f"hitchllm:{n}") for n in names}
+    idle(url)  # and the counters settled: the requests of the tests before are counted
+    before: dict[str, float] = {}
+    deadline = time.monotonic() + 10
+    while before != (now := {n: scrape(url, f"hitchllm:{n}") for n in names}):
+        assert time.monotonic() < deadline
+        before = now
+        time.sleep(0.3)
     routed_before = per_replica(url, "hitchllm:data_parallel_requests_routed_total")
 
     async def main() -> None:
