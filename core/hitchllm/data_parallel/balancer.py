@@ -14,6 +14,10 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hitchllm.config import EngineConfig
 
 
 class NoLiveReplicaError(RuntimeError):
@@ -36,6 +40,14 @@ class BalancerPolicy:
     # Blocks of a prompt remembered, and remembered blocks in all (least recent dropped).
     max_prefix_blocks: int = 64
     max_remembered_blocks: int = 1 << 17
+
+    @classmethod
+    def for_config(cls, config: EngineConfig) -> BalancerPolicy:
+        """The policy for replicas run with ``config``: its block size, and no prefix
+        affinity when its prefix cache is off (a shared prefix saves nothing there)."""
+        if config.enable_prefix_caching:
+            return cls(block_size=config.block_size)
+        return cls(block_size=config.block_size, max_prefix_blocks=0)
 
 
 def prefix_keys(token_ids: Sequence[int], salt: object, block_size: int,

@@ -40,7 +40,7 @@ from hitchllm.data_parallel.messages import (
     Reply,
     WireError,
 )
-from hitchllm.data_parallel.metrics import DataParallelMetrics, Family
+from hitchllm.data_parallel.metrics import DataParallelMetrics, Family, without_gauges
 from hitchllm.data_parallel.placement import replica_environments
 from hitchllm.data_parallel.replica import ReplicaSpec, run_replica
 from hitchllm.engine.async_engine import EngineDeadError, RequestFailedError
@@ -52,7 +52,10 @@ logger = logging.getLogger(__name__)
 
 # How long a metrics or LoRA call waits for the replicas' answers.
 _CALL_TIMEOUT_S = 30.0
-# How long shutdown waits for a replica to exit by itself before terminating it.
+# How long /metrics waits for them: less than a scraper's timeout (Prometheus' default is
+# 10 s), so that a replica that hangs leaves the scrape answered, with its last numbers.
+_METRICS_TIMEOUT_S = 5.0
+# How long shutdown waits for a replica to exit by itself before killing it.
 _EXIT_GRACE_S = 10.0
 _ABORTED = object()  # put on a request's queue by ``abort``
 
@@ -79,7 +82,7 @@ class DataParallelEngine:
             raise ValueError(f"data_parallel_size must be at least 1, got {num_replicas}")
         self.config = config
         self.balancer = LoadBalancer(
-            num_replicas, policy or BalancerPolicy(block_size=config.block_size))
+            num_replicas, policy or BalancerPolicy.for_config(config))
         self.on_all_dead = on_all_dead
         self.replicas: list[ReplicaHandle] = []
         self._ids = itertools.count()
@@ -218,7 +221,8 @@ class DataParallelEngine:
             return list(self._loras.values())
 
     def shutdown(self) -> None:
-        """Ask every replica to exit, wait, then terminate (and kill) the ones still there."""
+        """Ask every replica to exit, wait, then kill the ones still there (they ignore
+        SIGTERM, which a service manager sends the server's whole process group)."""
         if self._closed:
             return
         self._closed = True
@@ -228,14 +232,11 @@ class DataParallelEngine:
         for replica in self.replicas:
             replica.process.join(_EXIT_GRACE_S)
             if replica.process.is_alive():
-                logger.warning("data-parallel replica %d did not exit; terminating it",
+                logger.warning("data-parallel replica %d did not exit; killing it",
                                replica.index)
-                replica.process.terminate()
-                replica.process.join(5)
-            if replica.process.is_alive():
                 replica.process.kill()
                 replica.process.join(5)
-            replica.conn.close()
+            replica.close()
 
     # ---- replies from the replicas ------------------------------------------------------
 
@@ -335,10 +336,11 @@ class DataParallelEngine:
         return future
 
     def _metrics_snapshots(self) -> list[list[Family]]:
-        """Each replica's metric families; one that cannot answer (it stopped) gives those
-        it gave last, so that totals do not drop."""
+        """Each replica's metric families; one that cannot answer in time gives those it
+        gave last, so that totals do not drop, less its gauges once it has stopped (nothing
+        runs or waits there, and it holds no KV cache)."""
         futures = [(replica, self._call(replica, "metrics")) for replica in self.replicas]
-        deadline = time.monotonic() + _CALL_TIMEOUT_S
+        deadline = time.monotonic() + _METRICS_TIMEOUT_S
         for replica, future in futures:
             if future is not None:
                 try:
@@ -346,7 +348,8 @@ class DataParallelEngine:
                         timeout=max(0.0, deadline - time.monotonic()))
                 except Exception:
                     logger.warning("no metrics from data-parallel replica %d", replica.index)
-        return [replica.last_metrics for replica in self.replicas]
+        return [replica.last_metrics if replica.dead_reason is None
+                else without_gauges(replica.last_metrics) for replica in self.replicas]
 
     def _balancer_state(self) -> tuple[list[int], list[int], list[bool]]:
         b = self.balancer

@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import multiprocessing.process
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from hitchllm.data_parallel.deltas import OutputDecoder
@@ -42,18 +44,34 @@ class ReplicaHandle:
         self.dead_reason: str | None = None
         self.last_metrics: list[Family] = []
         self.decoder = OutputDecoder()  # used by the reader thread only
-        self._send_lock = threading.Lock()
+        # Pickled messages on their way to the replica; None stops the writer thread.
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._broken = False
+        threading.Thread(target=self._write, daemon=True,
+                         name=f"hitchllm-dp-send-{index}").start()
 
     def send(self, message: Any) -> bool:
-        """False when the replica is gone."""
-        if self.dead_reason is not None:
+        """Queue ``message`` for the replica; False when the replica is gone. It is pickled
+        here (what cannot be pickled raises here) and written by a thread of its own, so that
+        a replica that stops reading (hung) and fills its pipe blocks no caller, least of
+        all the server's event loop."""
+        if self.dead_reason is not None or self._broken:
             return False
-        try:
-            with self._send_lock:
-                self.conn.send(message)
-        except OSError:
-            return False
+        self._outbox.put(bytes(ForkingPickler.dumps(message)))
         return True
+
+    def _write(self) -> None:
+        while (data := self._outbox.get()) is not None:
+            try:
+                self.conn.send_bytes(data)
+            except (OSError, ValueError):  # the pipe is closed: the replica has exited
+                self._broken = True
+                return
+
+    def close(self) -> None:
+        """Stop the writer thread and close the pipe (once the process has exited)."""
+        self._outbox.put(None)
+        self.conn.close()
 
     def wait_ready(self, deadline: float | None) -> Ready:
         """Block until the replica has built its engine; RuntimeError (ValueError for a bad

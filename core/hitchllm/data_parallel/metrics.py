@@ -5,7 +5,8 @@ numbers per replica.
 Merging: counters, histogram buckets, sums and counts and most gauges (running and waiting
 requests) add up over the replicas; ``kv_cache_usage_perc`` (a fraction) is their mean;
 ``*_created`` timestamps take the earliest and ``*_info`` gauges (whose value is a time) the
-latest.
+latest. A replica that has stopped adds the counters and histograms it last reported, not its
+gauges.
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ def snapshot(registry: CollectorRegistry) -> list[Family]:
     return [(m.name, m.documentation, m.type, m.unit,
              [(s.name, dict(s.labels), s.value) for s in m.samples])
             for m in registry.collect()]
+
+
+def without_gauges(families: list[Family]) -> list[Family]:
+    """``families`` less the gauges: what a replica that has stopped still counts toward the
+    totals (its counters and histograms), not the state it stopped in."""
+    return [family for family in families if family[2] != "gauge"]
 
 
 def _combine(family: str, kind: str, sample: str, values: list[float]) -> float:

@@ -60,8 +60,11 @@ class ReplicaSpec:
 def run_replica(spec: ReplicaSpec, conn: Connection) -> None:
     """The replica process's entry point (its devices and threads are set by the
     environment the server started it with)."""
-    # Ctrl-C reaches the whole process group; the server stops its replicas itself.
+    # Ctrl-C reaches the whole process group, and so does SIGTERM where a service manager
+    # stops the group (systemd); the server drains its requests, then stops its replicas
+    # itself (a no-op handler, not SIG_IGN, which processes this one starts would inherit).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: None)
     from hitchllm.engine.async_engine import AsyncLLMEngine
     from hitchllm.engine.llm_engine import LLMEngine
     from hitchllm.entrypoints.openai.metrics import ServerMetrics
@@ -71,9 +74,11 @@ def run_replica(spec: ReplicaSpec, conn: Connection) -> None:
         for lora in spec.lora_modules:
             engine.add_lora(lora)
     except BaseException as exc:  # the server reports it and stops the other replicas
+        if isinstance(exc, ValueError):  # a bad argument: the server's one line says it all
+            conn.send(StartFailed(WireError.of(exc)))
+            return
         logger.exception("data-parallel replica %d failed to start", spec.index)
-        conn.send(StartFailed(WireError.of(exc) if isinstance(exc, ValueError)
-                              else WireError("internal", f"{type(exc).__name__}: {exc}")))
+        conn.send(StartFailed(WireError("internal", f"{type(exc).__name__}: {exc}")))
         return
     metrics = ServerMetrics(spec.metrics_name, spec.max_loras)
     server = _ReplicaServer(spec.index, conn, metrics)

@@ -74,6 +74,11 @@ def serve(
             server.should_exit = True
 
     tokenizer: Any = AutoTokenizer.from_pretrained(engine_config.tokenizer or engine_config.model)
+    # uvicorn stops gracefully on SIGTERM, then raises it again: exit through Python so that
+    # the engines (replica processes, workers) are shut down, not left behind; from here on,
+    # since a
+    # SIGTERM while the replicas (or tensor-parallel workers) load must stop them too.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     client, metrics = _start_engines(engine_config, data_parallel_size, metrics_name,
                                      lora_modules or [], stop_serving)
     app = build_app(client, names, tokenizer, metrics, api_key, template, limits,
@@ -83,10 +88,6 @@ def serve(
     logger.info("serving %s on http://%s:%d/v1 (OpenAI-compatible)", ", ".join(names), host, port)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                            timeout_graceful_shutdown=5))
-    # uvicorn stops gracefully on SIGTERM, then raises it again: exit through Python so that
-    # the engines (replica processes, tensor-parallel workers) are shut down below, not left
-    # behind.
-    signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         server.run()
     finally:
