@@ -76,8 +76,7 @@ def serve(
     tokenizer: Any = AutoTokenizer.from_pretrained(engine_config.tokenizer or engine_config.model)
     # uvicorn stops gracefully on SIGTERM, then raises it again: exit through Python so that
     # the engines (replica processes, workers) are shut down, not left behind; from here on,
-    # since a
-    # SIGTERM while the replicas (or tensor-parallel workers) load must stop them too.
+    # since a SIGTERM while the replicas (or tensor-parallel workers) load must stop them too.
     signal.signal(signal.SIGTERM, _exit_on_signal)
     client, metrics = _start_engines(engine_config, data_parallel_size, metrics_name,
                                      lora_modules or [], stop_serving)
