@@ -10,6 +10,7 @@ runs one per tensor-parallel rank in worker processes.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from typing import Protocol
 
 from hitchllm.attention import KVCacheSpec
@@ -36,6 +37,21 @@ class RunnerOutputFuture(Protocol):
         """Wait for the step and return its output; later calls return the same output."""
         ...
 
+
+
+class LazyStepOutput:
+    """Step ``index``'s output, read through ``read(index)`` when first asked for (the
+    distributed executors read their workers' answers on demand)."""
+
+    def __init__(self, read: Callable[[int], RunnerOutput], index: int) -> None:
+        self._read = read
+        self._index = index
+        self._output: RunnerOutput | None = None
+
+    def result(self) -> RunnerOutput:
+        if self._output is None:
+            self._output = self._read(self._index)
+        return self._output
 
 class Executor(abc.ABC):
     """Runs step plans on the model runner(s) of one engine.

@@ -54,7 +54,12 @@ import torch.distributed as dist
 
 from hitchllm.attention import KVCacheSpec, bytes_per_shared_block
 from hitchllm.distributed import ParallelRank
-from hitchllm.engine.executor import Executor, RunnerOutputFuture, WorkerFailedError
+from hitchllm.engine.executor import (
+    Executor,
+    LazyStepOutput,
+    RunnerOutputFuture,
+    WorkerFailedError,
+)
 from hitchllm.engine.runner_output import RunnerOutput
 from hitchllm.engine.worker import WorkerSetup, output_digest
 from hitchllm.engine.worker_process import HOST, SETUP_TIMEOUT_S, worker_main
@@ -96,20 +101,6 @@ class _Workers:
         for conn in self.conns:
             conn.close()
         self.processes, self.conns, self.store = [], [], None
-
-
-class _StepFuture:
-    """The output of step ``index``, read from the workers on demand."""
-
-    def __init__(self, executor: MultiprocExecutor, index: int) -> None:
-        self._executor = executor
-        self._index = index
-        self._output: RunnerOutput | None = None
-
-    def result(self) -> RunnerOutput:
-        if self._output is None:
-            self._output = self._executor._step_output(self._index)
-        return self._output
 
 
 class MultiprocExecutor(Executor):
@@ -308,7 +299,7 @@ class MultiprocExecutor(Executor):
         self._send("execute_model", step, fed)
         self._launched += 1
         self._flushed = False
-        return _StepFuture(self, self._launched - 1)
+        return LazyStepOutput(self._step_output, self._launched - 1)
 
     def _step_output(self, index: int) -> RunnerOutput:
         """Step ``index``'s output; reads the answers of earlier steps first (those not asked

@@ -39,7 +39,12 @@ from typing import Any
 
 from hitchllm.attention import KVCacheSpec
 from hitchllm.distributed import ParallelRank
-from hitchllm.engine.executor import Executor, RunnerOutputFuture, WorkerFailedError
+from hitchllm.engine.executor import (
+    Executor,
+    LazyStepOutput,
+    RunnerOutputFuture,
+    WorkerFailedError,
+)
 from hitchllm.engine.runner_output import RunnerOutput
 from hitchllm.engine.worker import WorkerSetup, output_digest
 from hitchllm.engine.worker_process import SETUP_TIMEOUT_S
@@ -112,20 +117,6 @@ class _Actors:
         if self.owns_ray:
             self.owns_ray = False
             ray.shutdown()
-
-
-class _StepFuture:
-    """The output of step ``index``, read from the actors on demand."""
-
-    def __init__(self, executor: RayExecutor, index: int) -> None:
-        self._executor = executor
-        self._index = index
-        self._output: RunnerOutput | None = None
-
-    def result(self) -> RunnerOutput:
-        if self._output is None:
-            self._output = self._executor._step_output(self._index)
-        return self._output
 
 
 class RayExecutor(Executor):
@@ -296,7 +287,7 @@ class RayExecutor(Executor):
             self._answers[self._in_flight] = refs  # these calls answer the step before
         self._in_flight = self._launched
         self._launched += 1
-        return _StepFuture(self, self._launched - 1)
+        return LazyStepOutput(self._step_output, self._launched - 1)
 
     def _step_output(self, index: int) -> RunnerOutput:
         """Step ``index``'s output; reads the answers of earlier steps first (those not asked
