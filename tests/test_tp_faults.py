@@ -58,7 +58,10 @@ def test_a_killed_worker_fails_the_engine_naming_its_rank(llama_path,
 
 def test_a_hung_worker_fails_the_engine_after_the_step_timeout(llama_path,
                                                                only_builtin_plugins):  # noqa: F811
-    with tp_llm(llama_path, worker_step_timeout_s=2, **ENGINE) as llm:
+    # Without async scheduling no step is in flight once step() returns, so rank 1 is stopped
+    # before it can read the next call (with one in flight both ranks may have read it, and
+    # then neither can be blamed alone).
+    with tp_llm(llama_path, worker_step_timeout_s=2, async_scheduling=False, **ENGINE) as llm:
         pids = llm.engine.executor.pids
         start_requests(llm)
         llm.engine.step()
@@ -72,7 +75,7 @@ def test_a_hung_worker_fails_the_engine_after_the_step_timeout(llama_path,
         assert ("rank(s) 1 stopped taking calls and did not answer" in str(error)
                 and "within 2 s (hung); rank(s) 0 wait for them in a collective" in str(error))
         assert error.rank == 1
-        assert 2 <= took < 12
+        assert 2 <= took < 30  # generous: a loaded 2-core machine is slow to stop workers
         assert not any(alive(pid) for pid in pids)
 
 
