@@ -20,8 +20,7 @@ def replica_environments(config: EngineConfig, num_replicas: int) -> list[dict[s
                              "choose the GPUs with CUDA_VISIBLE_DEVICES")
         import torch
 
-        group = (config.tensor_parallel_size
-                 * getattr(config, "pipeline_parallel_size", 1))
+        group = config.tensor_parallel_size * config.pipeline_parallel_size
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         devices = ([d.strip() for d in visible.split(",") if d.strip()] if visible
                    else [str(i) for i in range(torch.cuda.device_count())])
