@@ -53,6 +53,7 @@ class LazyStepOutput:
             self._output = self._read(self._index)
         return self._output
 
+
 class Executor(abc.ABC):
     """Runs step plans on the model runner(s) of one engine.
 
@@ -115,3 +116,34 @@ class InProcessExecutor(Executor):
 
     def execute_model(self, step: StepPlan) -> RunnerOutputFuture:
         return self.runner.execute_async(step)
+
+
+class WorkerGroupExecutor(Executor):
+    """What the multiprocess and Ray executors share: set-up calls go to every rank through
+    ``_call``, and a step plan must be plain data (no tensors)."""
+
+    _kv_cache_specs: list[KVCacheSpec]  # set by the subclass once its workers are up
+
+    @abc.abstractmethod
+    def _call(self, method: str, *args: object) -> list:
+        """Run the ``Worker`` set-up ``method`` on every rank; the answers in rank order."""
+
+    @property
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        return self._kv_cache_specs
+
+    def kv_cache_bytes(self, gpu_memory_utilization: float) -> int:
+        return min(self._call("kv_cache_bytes", gpu_memory_utilization))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._call("initialize_kv_cache", num_blocks)
+
+    def capture_cuda_graphs(self) -> None:
+        self._call("capture_cuda_graphs")
+
+    @staticmethod
+    def check_plain(step: StepPlan) -> None:
+        """Refuse a plan the workers cannot be sent: draft probabilities are tensors."""
+        if step.draft_probs:
+            raise ValueError("draft probabilities (speculative decoding) cannot be sent to "
+                             "tensor-parallel workers yet")

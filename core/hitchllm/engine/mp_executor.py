@@ -55,10 +55,10 @@ import torch.distributed as dist
 from hitchllm.attention import KVCacheSpec, bytes_per_shared_block
 from hitchllm.distributed import ParallelRank
 from hitchllm.engine.executor import (
-    Executor,
     LazyStepOutput,
     RunnerOutputFuture,
     WorkerFailedError,
+    WorkerGroupExecutor,
 )
 from hitchllm.engine.runner_output import RunnerOutput
 from hitchllm.engine.worker import WorkerSetup, output_digest
@@ -103,7 +103,7 @@ class _Workers:
         self.processes, self.conns, self.store = [], [], None
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(WorkerGroupExecutor):
     """Runs each step on ``tensor_parallel_size`` worker processes (see the module doc)."""
 
     def __init__(self, setup: WorkerSetup) -> None:
@@ -273,23 +273,8 @@ class MultiprocExecutor(Executor):
 
     # ---- the Executor interface --------------------------------------------------------
 
-    @property
-    def kv_cache_specs(self) -> list[KVCacheSpec]:
-        return self._kv_cache_specs
-
-    def kv_cache_bytes(self, gpu_memory_utilization: float) -> int:
-        return min(self._call("kv_cache_bytes", gpu_memory_utilization))
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self._call("initialize_kv_cache", num_blocks)
-
-    def capture_cuda_graphs(self) -> None:
-        self._call("capture_cuda_graphs")
-
     def execute_model(self, step: StepPlan) -> RunnerOutputFuture:
-        if step.draft_probs:
-            raise ValueError("draft probabilities (speculative decoding) cannot be sent to "
-                             "tensor-parallel workers yet")
+        self.check_plain(step)
         fed: dict[str, list[int]] = {}
         if self.pp_size > 1:
             # The earlier stages learn the tokens of every step before the next one.

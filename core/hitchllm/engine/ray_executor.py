@@ -40,10 +40,10 @@ from typing import Any
 from hitchllm.attention import KVCacheSpec
 from hitchllm.distributed import ParallelRank
 from hitchllm.engine.executor import (
-    Executor,
     LazyStepOutput,
     RunnerOutputFuture,
     WorkerFailedError,
+    WorkerGroupExecutor,
 )
 from hitchllm.engine.runner_output import RunnerOutput
 from hitchllm.engine.worker import WorkerSetup, output_digest
@@ -119,7 +119,7 @@ class _Actors:
             ray.shutdown()
 
 
-class RayExecutor(Executor):
+class RayExecutor(WorkerGroupExecutor):
     """Runs each step on ``tensor_parallel_size`` Ray actors (see the module doc)."""
 
     def __init__(self, setup: WorkerSetup) -> None:
@@ -263,23 +263,8 @@ class RayExecutor(Executor):
 
     # ---- the Executor interface --------------------------------------------------------
 
-    @property
-    def kv_cache_specs(self) -> list[KVCacheSpec]:
-        return self._kv_cache_specs
-
-    def kv_cache_bytes(self, gpu_memory_utilization: float) -> int:
-        return min(self._call("kv_cache_bytes", gpu_memory_utilization))
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self._call("initialize_kv_cache", num_blocks)
-
-    def capture_cuda_graphs(self) -> None:
-        self._call("capture_cuda_graphs")
-
     def execute_model(self, step: StepPlan) -> RunnerOutputFuture:
-        if step.draft_probs:
-            raise ValueError("draft probabilities (speculative decoding) cannot be sent to "
-                             "tensor-parallel workers yet")
+        self.check_plain(step)
         self._check_running()
         plan = self._state.ray.put(step)  # serialized once, read by every actor
         refs = [a.execute_model.remote(plan) for a in self._state.actors]
