@@ -238,7 +238,7 @@ class FlashInferMLABackend(TorchMLABackend):
 
     @classmethod
     def validate(cls, spec: AttentionSpec) -> list[str]:
-        reasons = mla_reasons(spec)
+        reasons = mla_reasons(spec, cls.name)
         problem = flashinfer_mla_problem(spec.device_type)
         if problem is not None:
             return [*reasons, problem]
@@ -249,16 +249,10 @@ class FlashInferMLABackend(TorchMLABackend):
         if spec.dtype not in DTYPES:
             reasons.append(f"dtype {spec.dtype} is not supported (FlashInfer's MLA kernel takes "
                            "bfloat16 or float16)")
-        if spec.kv_cache_dtype != spec.dtype:
-            reasons.append(f"KV-cache dtype {spec.kv_cache_dtype} is not supported: "
-                           "FLASHINFER_MLA reads the latent in the model dtype (use "
-                           "kv_cache_dtype=auto)")
         if spec.use_mla and spec.head_size != KV_LORA_RANK + ROPE_DIM:
             reasons.append(f"latent width {spec.head_size} is not supported (FlashInfer's MLA "
                            f"kernel needs kv_lora_rank {KV_LORA_RANK} + qk_rope_head_dim "
                            f"{ROPE_DIM} = {KV_LORA_RANK + ROPE_DIM}, DeepSeek-V2/V3's)")
-        if spec.logits_soft_cap is not None:
-            reasons.append("logits soft-capping is not supported with MLA")
         return reasons
 
     @classmethod

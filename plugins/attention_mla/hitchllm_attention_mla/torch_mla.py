@@ -36,12 +36,20 @@ from hitchllm_attention_mla.ranking import MLA_BACKEND_PRIORITY
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def mla_reasons(spec: AttentionSpec) -> list[str]:
-    """Reasons an MLA backend cannot serve ``spec`` whatever its kernel: a model without MLA."""
+def mla_reasons(spec: AttentionSpec, backend: str) -> list[str]:
+    """Reasons MLA backend ``backend`` cannot serve ``spec`` whatever its kernel: a model
+    without MLA, a KV-cache dtype other than the model's, logits soft-capping."""
+    reasons = []
     if not spec.use_mla:
-        return ["this backend serves multi-head latent attention (DeepSeek-V2/V3) only; this "
-                "model has standard attention (use TORCH, TRITON_ATTN, ... or let auto choose)"]
-    return []
+        reasons.append("this backend serves multi-head latent attention (DeepSeek-V2/V3) only; "
+                       "this model has standard attention (use TORCH, TRITON_ATTN, ... or let "
+                       "auto choose)")
+    if spec.kv_cache_dtype != spec.dtype:
+        reasons.append(f"KV-cache dtype {spec.kv_cache_dtype} is not supported: {backend} "
+                       "keeps the latent in the model dtype (use kv_cache_dtype=auto)")
+    if spec.logits_soft_cap is not None:
+        reasons.append("logits soft-capping is not supported with MLA")
+    return reasons
 
 
 class TorchMLAImpl(MLAAttentionImpl):
@@ -130,14 +138,9 @@ class TorchMLABackend(AttentionBackend):
 
     @classmethod
     def validate(cls, spec: AttentionSpec) -> list[str]:
-        reasons = mla_reasons(spec)
+        reasons = mla_reasons(spec, cls.name)
         if spec.dtype not in _SUPPORTED_DTYPES:
             reasons.append(f"dtype {spec.dtype} is not supported (use float32/float16/bfloat16)")
-        if spec.kv_cache_dtype != spec.dtype:
-            reasons.append(f"KV-cache dtype {spec.kv_cache_dtype} is not supported: TORCH_MLA "
-                           "stores the latent in the model dtype (use kv_cache_dtype=auto)")
-        if spec.logits_soft_cap is not None:
-            reasons.append("logits soft-capping is not supported with MLA")
         return reasons
 
     @classmethod

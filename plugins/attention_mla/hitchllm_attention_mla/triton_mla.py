@@ -230,13 +230,7 @@ class TritonMLABackend(TorchMLABackend):
         device_reasons = triton_device_reasons(spec)
         if importlib.util.find_spec("triton") is None:
             return device_reasons
-        reasons = mla_reasons(spec) + device_reasons
-        if spec.kv_cache_dtype != spec.dtype:
-            reasons.append(f"KV-cache dtype {spec.kv_cache_dtype} is not supported: TRITON_MLA "
-                           "reads the latent in the model dtype (use kv_cache_dtype=auto)")
-        if spec.logits_soft_cap is not None:
-            reasons.append("logits soft-capping is not supported with MLA")
-        return reasons
+        return mla_reasons(spec, cls.name) + device_reasons
 
     @classmethod
     def get_impl_cls(cls) -> type[AttentionImpl]:
