@@ -8,10 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 from test_models_hf_parity import mixed_prompts
-from test_tp_gpu import SHAPES, greedy_tokens, models  # noqa: F401
+from test_tp_gpu import SHAPES, greedy_tokens, models, one_gpu_tokens  # noqa: F401
 from tp_support import tp_llm
-
-from hitchllm import LLM
 
 pytestmark = [
     pytest.mark.gpu,
@@ -25,7 +23,7 @@ ENGINE = dict(device="cuda", dtype="float32", block_size=16, max_model_len=256)
 def test_pp2_matches_pp1_on_two_gpus(models, arch, auto_backend):  # noqa: F811
     path = models[arch]
     prompts = mixed_prompts(6)
-    expected = greedy_tokens(LLM(path, **ENGINE), prompts)
+    expected = one_gpu_tokens(path, prompts, **ENGINE)
     with tp_llm(path, pipeline_parallel_size=2, **ENGINE) as llm:
         assert greedy_tokens(llm, prompts) == expected
 
@@ -34,6 +32,6 @@ def test_pp2_matches_pp1_on_two_gpus(models, arch, auto_backend):  # noqa: F811
 def test_tp2_pp2_matches_one_gpu_on_four_gpus(models, auto_backend):  # noqa: F811
     path = models["LlamaForCausalLM"]
     prompts = mixed_prompts(6)
-    expected = greedy_tokens(LLM(path, **ENGINE), prompts)
+    expected = one_gpu_tokens(path, prompts, **ENGINE)
     with tp_llm(path, tensor_parallel_size=2, pipeline_parallel_size=2, **ENGINE) as llm:
         assert greedy_tokens(llm, prompts) == expected

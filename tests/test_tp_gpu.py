@@ -4,6 +4,8 @@ skipped elsewhere."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from test_models_hf_parity import mixed_prompts
@@ -42,13 +44,26 @@ def greedy_tokens(llm: LLM, prompts: list[list[int]], max_tokens: int = MAX_TOKE
     return [o.outputs[0].token_ids for o in outs]
 
 
+def one_gpu_tokens(path: str, prompts: list[list[int]], max_tokens: int = MAX_TOKENS,
+                   **engine) -> list[list[int]]:
+    """Greedy tokens of a single-GPU engine in this process, whose KV cache is then handed
+    back to the driver: left in PyTorch's cache it would starve rank 0 of the TP/PP engine
+    started next on the same card."""
+    with LLM(path, **engine) as llm:
+        tokens = greedy_tokens(llm, prompts, max_tokens)
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return tokens
+
+
 @pytest.mark.parametrize("arch", list(SHAPES))
 def test_tp2_matches_tp1_on_two_gpus_with_and_without_cuda_graphs(models, arch,
                                                                   auto_backend):
     path = models[arch]
     prompts = mixed_prompts(6)  # a decode batch of 6: padded to a captured graph size
     engine = dict(device="cuda", dtype="float32", block_size=16, max_model_len=256)
-    expected = greedy_tokens(LLM(path, **engine), prompts)
+    expected = one_gpu_tokens(path, prompts, **engine)
     with tp_llm(path, tensor_parallel_size=2, **engine) as llm:
         assert greedy_tokens(llm, prompts) == expected  # decode steps replay graphs
     with tp_llm(path, tensor_parallel_size=2, enforce_eager=True, **engine) as llm:
@@ -60,7 +75,7 @@ def test_tp2_bfloat16_tracks_tp1(models, auto_backend):
     the first tokens (before a near-tie can flip) are compared."""
     path = models["LlamaForCausalLM"]
     prompts = mixed_prompts(4)
-    expected = greedy_tokens(LLM(path, device="cuda", dtype="bfloat16"), prompts, 4)
+    expected = one_gpu_tokens(path, prompts, 4, device="cuda", dtype="bfloat16")
     with tp_llm(path, device="cuda", dtype="bfloat16", tensor_parallel_size=2) as llm:
         got = greedy_tokens(llm, prompts, 4)
     assert [t[:2] for t in got] == [t[:2] for t in expected]
