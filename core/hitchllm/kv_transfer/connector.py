@@ -103,8 +103,8 @@ class KVConnector(abc.ABC):
         self.kv_caches: list[torch.Tensor] = []
         self.block_dims: list[int] = []
 
-    @classmethod
-    def check_config(cls, config: KVTransferConfig) -> None:  # noqa: B027 (nothing to check)
+    @classmethod  # noqa: B027 (no options to check by default)
+    def check_config(cls, config: KVTransferConfig) -> None:
         """Refuse bad ``kv_connector_extra_config`` options at engine start-up with a
         ``ValueError`` that says what to change."""
 

@@ -36,6 +36,8 @@ from hitchllm_kv_transfer.options import check_options
 _OPTIONS = {"host": str, "port": int, "backend": str, "ttl_s": (int, float)}
 DEFAULT_PORT = 14579
 _FOUND, _MISSING = 1, 0
+# How often the producer looks for the consumer's next request in the store.
+POLL_S = 0.001
 
 
 class TorchDistributedConnector(BackgroundConnector):
@@ -114,10 +116,9 @@ class TorchDistributedConnector(BackgroundConnector):
         assert self._store is not None
         while not self._closed.is_set():
             key = f"want/{self._seq}"
-            try:
-                self._store.wait([key], timedelta(seconds=1))
-            except Exception:  # nothing asked yet (the wait timed out)
+            if not self._store.check([key]):  # nothing asked yet
                 self._drop_expired()
+                self._closed.wait(POLL_S)
                 continue
             rid = self._store.get(key).decode()
             self._store.delete_key(key)
