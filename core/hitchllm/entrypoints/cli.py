@@ -326,7 +326,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_serve_disagg(args: argparse.Namespace) -> int:
-    from hitchllm.entrypoints.disagg_router import serve_router
+    try:
+        from hitchllm.entrypoints.disagg_router import serve_router
+    except ImportError as exc:
+        raise SystemExit(f"the router needs extra packages ({exc.name} is missing): "
+                         "pip install 'hitchllm[serve]'") from exc
 
     serve_router(args.prefill, args.decode, host=args.host, port=args.port,
                  timeout_s=args.timeout_s)

@@ -19,6 +19,10 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import aiohttp
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
 logger = logging.getLogger(__name__)
 
 # Body fields the prefill request must not carry (it makes one token, in one response).
@@ -34,12 +38,8 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def build_router_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0) -> Any:
-    """The router's ASGI app (FastAPI); ``*_url`` are the instances' base URLs."""
-    import aiohttp
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
-
+def build_router_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0) -> FastAPI:
+    """The router's ASGI app; ``*_url`` are the instances' base URLs."""
     prefill_url, decode_url = prefill_url.rstrip("/"), decode_url.rstrip("/")
     clients: dict[str, aiohttp.ClientSession] = {}
 
@@ -131,12 +131,8 @@ def build_router_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0
 def serve_router(prefill_url: str, decode_url: str, host: str = "127.0.0.1",
                  port: int = 8000, timeout_s: float = 600.0) -> None:
     """Serve the router until interrupted."""
-    try:
-        import aiohttp  # noqa: F401
-        import uvicorn
-    except ImportError as exc:
-        raise SystemExit(f"the router needs extra packages ({exc.name} is missing): "
-                         "pip install 'hitchllm[serve]'") from exc
+    import uvicorn
+
     from hitchllm.logger import init_logging
 
     init_logging()
