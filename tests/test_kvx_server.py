@@ -33,6 +33,7 @@ CHATS = [[{"role": "user", "content": "Hi!"}],
 COMPUTED = "hitchllm:prompt_tokens_computed_total"
 LOADS = "hitchllm:kv_transfer_loads_total"
 FALLBACKS = "hitchllm:kv_transfer_load_fallbacks_total"
+SAVES = "hitchllm:kv_transfer_saves_total"
 
 
 @contextmanager
@@ -102,6 +103,7 @@ def test_routed_greedy_answers_equal_one_instance_streaming_or_not_without_recom
     router, producer, consumer = instances
     client = openai.OpenAI(base_url=f"{router}/v1", api_key="none", max_retries=0, timeout=60)
     computed, loads = scrape(consumer, COMPUTED), scrape(consumer, LOADS)
+    saves = scrape(producer, SAVES)
     body = {"model": MODEL, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
     extra = {"ignore_eos": True}
     num_requests = 0
@@ -129,6 +131,12 @@ def test_routed_greedy_answers_equal_one_instance_streaming_or_not_without_recom
     assert scrape(consumer, LOADS) - loads == num_requests
     assert scrape(consumer, COMPUTED) - computed == num_requests
     assert scrape(consumer, "hitchllm:kv_transfer_load_bytes_total") > 0
+    # The producer saved every prompt (it reports a save once its engine has stepped again).
+    deadline = time.monotonic() + 10
+    while scrape(producer, SAVES) - saves < num_requests:
+        assert time.monotonic() < deadline, "the producer did not report every save"
+        time.sleep(0.1)
+    assert scrape(producer, SAVES) - saves == num_requests
 
 
 def test_the_producer_answers_with_the_params_a_consumer_needs(instances, reference):

@@ -13,8 +13,9 @@ calls the connector at the start of each step, before the forward, in this order
    after this step's plan, so nothing may read them later;
 4. ``start_load`` for every request the scheduler reserved blocks for: start receiving,
    asynchronously, into the connector's own staging memory;
-5. ``poll``: the loads that arrived (or failed) since the last step, and the counters. The
-   engine reads tensor-parallel rank 0's answer.
+5. ``poll``: the saves done and the loads that arrived (or failed) since the last step, and
+   the counters. The engine reads tensor-parallel rank 0's answer; it keeps stepping until
+   every save it planned is reported done (or ``kv_load_timeout_s`` passed).
 
 Cache writes therefore happen only inside steps, in plan order: a block freed on abort or
 timeout can never be written by a late transfer, and every rank writes the same blocks in
@@ -73,9 +74,11 @@ class KVTransferStats:
 
 @dataclass
 class KVTransferEvents:
-    """A connector's news since its last ``poll``: loads that arrived, loads that failed
-    (request id, why), and its totals."""
+    """A connector's news since its last ``poll``: saves whose KV is out of this process
+    (sent, or failed and logged), loads that arrived, loads that failed (request id, why), and
+    its totals."""
 
+    saves_done: list[str] = field(default_factory=list)
     loads_ready: list[str] = field(default_factory=list)
     loads_failed: list[tuple[str, str]] = field(default_factory=list)
     stats: KVTransferStats = field(default_factory=KVTransferStats)

@@ -45,8 +45,10 @@ class KVTransferScheduling:
         # Consumer: requests whose KV is on its way, and when each stops waiting.
         self.receiving: dict[str, Request] = {}
         self._deadlines: dict[str, float] = {}
-        # Producer: finished requests whose blocks wait for their save to be planned.
+        # Producer: finished requests whose blocks wait for their save to be planned, and
+        # the saves planned but not reported done yet (with when the engine stops waiting).
         self._saves: list[Request] = []
+        self._saving: dict[str, float] = {}
         # What the next plan tells the runner.
         self._loads: list[KVLoad] = []
         self._finishes: list[str] = []
@@ -59,8 +61,8 @@ class KVTransferScheduling:
 
     def has_work(self) -> bool:
         """True while a transfer is under way or planned (the engine keeps stepping)."""
-        return bool(self.receiving or self._saves or self._loads or self._finishes
-                    or self._cancels)
+        return bool(self.receiving or self._saves or self._saving or self._loads
+                    or self._finishes or self._cancels)
 
     # ---- consumer ------------------------------------------------------------------------
 
@@ -88,6 +90,8 @@ class KVTransferScheduling:
     def update(self, events: KVTransferEvents) -> list[Request]:
         """Fold the runner's news in; returns the requests to put back in the waiting queue
         (front): those whose KV arrived, and those that fall back to computing."""
+        for rid in events.saves_done:
+            self._saving.pop(rid, None)
         back = []
         for rid in events.loads_ready:
             request = self.receiving.pop(rid, None)
@@ -109,6 +113,10 @@ class KVTransferScheduling:
         """Requests whose KV did not come in time fall back to computing their prompt;
         returns them (to put back in the waiting queue, front)."""
         now = self.clock()
+        for rid in [rid for rid, t in self._saving.items() if t <= now]:
+            logger.warning("request %s: its KV save was not reported done within "
+                           "kv_load_timeout_s; no longer waiting for it", rid)
+            del self._saving[rid]
         late = [self.receiving[rid] for rid, t in self._deadlines.items() if t <= now]
         return [self._fall_back(r, f"no KV within kv_load_timeout_s="
                                    f"{self.config.kv_load_timeout_s:g}") for r in late]
@@ -162,6 +170,7 @@ class KVTransferScheduling:
             block_ids = self.kv_cache.get_block_ids(request.request_id)[:num_blocks]
             saves.append(KVSave(request.request_id, list(block_ids), num_tokens))
             self.kv_cache.free(request)
+            self._saving[request.request_id] = self.clock() + self.config.kv_load_timeout_s
         plan.kv_saves, self._saves = saves, []
         plan.kv_loads, self._loads = self._loads, []
         plan.kv_load_finishes, self._finishes = self._finishes, []

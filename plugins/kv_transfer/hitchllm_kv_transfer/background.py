@@ -136,8 +136,11 @@ class BackgroundConnector(KVConnector):
                 self._send(save, pages)
             except Exception:  # a failed save fails the consumer's load, which falls back
                 logger.exception("request %s: saving its KV failed", save.request_id)
+                with self._lock:
+                    self._events.saves_done.append(save.request_id)
                 continue
             with self._lock:
+                self._events.saves_done.append(save.request_id)
                 self._stats.num_saves += 1
                 self._stats.bytes_saved += _nbytes(pages)
                 self._stats.save_seconds += time.monotonic() - started
