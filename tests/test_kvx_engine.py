@@ -234,3 +234,30 @@ def test_torch_distributed_connector_moves_the_kv_over_a_gloo_pair(llama_path, r
     finally:
         producer.close()
         consumer.close()
+
+
+def test_under_tensor_parallelism_each_rank_moves_its_own_shard(llama_path, tmp_path,
+                                                                 reference):
+    path = str(tmp_path / "kv")
+    producer = LLMEngine(EngineConfig(model=llama_path, **ENGINE, tensor_parallel_size=2,
+                                      kv_transfer_config=kv_config("shared_memory", "producer",
+                                                                   path=path)))
+    consumer = LLMEngine(EngineConfig(model=llama_path, **ENGINE, tensor_parallel_size=2,
+                                      kv_transfer_config=kv_config("shared_memory", "consumer")))
+    try:
+        params = prefill(producer, PROMPTS[:2])
+        # One file per request and rank: each rank saved its own KV heads (the engine waits
+        # for rank 0's saves; rank 1 writes in its own time).
+        deadline = time.monotonic() + 10
+        while len(os.listdir(path)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sorted(os.listdir(path)) == sorted(
+            f"{p['remote_engine_id']}.{p['remote_request_id']}.{rank}.pt"
+            for p in params for rank in (0, 1))
+        got = run(consumer, PROMPTS[:2], GREEDY, params)
+        assert tokens(got) == reference[:2]
+        assert consumer.stats().num_prompt_tokens_computed == 2
+        assert os.listdir(path) == []
+    finally:
+        producer.close()
+        consumer.close()
