@@ -249,7 +249,8 @@ def test_under_tensor_parallelism_each_rank_moves_its_own_shard(llama_path, tmp_
         # One file per request and rank: each rank saved its own KV heads (the engine waits
         # for rank 0's saves; rank 1 writes in its own time).
         deadline = time.monotonic() + 10
-        while len(os.listdir(path)) < 4 and time.monotonic() < deadline:
+        while (len([f for f in os.listdir(path) if f.endswith(".pt")]) < 4
+               and time.monotonic() < deadline):
             time.sleep(0.05)
         assert sorted(os.listdir(path)) == sorted(
             f"{p['remote_engine_id']}.{p['remote_request_id']}.{rank}.pt"

@@ -68,9 +68,11 @@ class KVTransferScheduling:
 
     def wants_load(self, request: Request) -> bool:
         """True for a waiting consumer request that carries transfer params and has computed
-        nothing yet (a fallen-back request has none any more)."""
+        nothing yet (a fallen-back request has none any more). A request that wants prompt
+        logprobs computes its prompt: they come from the prompt's logits, which no KV holds."""
         return (not self.is_producer and request.kv_transfer_params is not None
-                and request.num_computed_tokens == 0 and num_transfer_tokens(request) > 0)
+                and request.num_computed_tokens == 0 and num_transfer_tokens(request) > 0
+                and request.sampling_params.prompt_logprobs is None)
 
     def reserve(self, request: Request) -> bool:
         """Reserve blocks for ``request``'s incoming KV and plan the load; False (nothing
