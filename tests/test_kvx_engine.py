@@ -174,6 +174,27 @@ def test_aborting_a_request_that_waits_for_its_kv_frees_its_reserved_blocks(shm_
     assert not consumer.has_unfinished_requests()
 
 
+def test_aborting_a_request_whose_kv_arrived_before_it_ran_frees_its_blocks(shm_pair,
+                                                                            reference):
+    producer, consumer, _ = shm_pair
+    params = prefill(producer, PROMPTS[:2])
+    rid = consumer.add_request({"prompt_token_ids": PROMPTS[0]}, GREEDY,
+                               kv_transfer_params=params[0])
+    request = consumer.scheduler.requests[rid]
+    deadline = time.monotonic() + 10
+    while not consumer.scheduler.kv_transfer.is_loaded(request):
+        assert time.monotonic() < deadline, "the KV did not arrive"
+        assert consumer.step() == []
+    # Its KV is here, waiting to be copied into its blocks by the step that runs it.
+    assert request.status is RequestStatus.WAITING and request.num_computed_tokens > 0
+    consumer.abort_request(rid)
+    assert consumer.kv_cache.num_free_blocks == consumer.num_kv_blocks
+    # The engine goes on: the next request decodes from its KV as before.
+    got = run(consumer, PROMPTS[1:2], GREEDY, params[1:])
+    assert tokens(got) == reference[1:2]
+    assert consumer.kv_cache.num_free_blocks == consumer.num_kv_blocks
+
+
 def test_kv_transfer_params_are_refused_where_they_cannot_work(llama_path, shm_pair):
     producer, consumer, _ = shm_pair
     plain = LLMEngine(EngineConfig(model=llama_path, **ENGINE))

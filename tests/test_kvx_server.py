@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -170,8 +171,20 @@ def test_a_consumer_whose_kv_never_comes_computes_the_prompt_after_its_timeout(
     assert scrape(consumer, FALLBACKS) - fallbacks == 1
 
 
-def _post(url: str, path: str, body: dict) -> dict:
+def _post(url: str, path: str, body: object) -> dict:
     req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as r:
         return json.loads(r.read())
+
+
+def test_the_router_passes_an_instances_error_to_the_client(instances):
+    router, _, _ = instances
+    request = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": -1.0}
+    with pytest.raises(urllib.error.HTTPError) as err:
+        _post(router, "/v1/completions", request)
+    assert err.value.code == 400
+    assert "temperature" in json.loads(err.value.read())["error"]["message"]
+    with pytest.raises(urllib.error.HTTPError) as err:
+        _post(router, "/v1/completions", [1, 2])
+    assert err.value.code == 400

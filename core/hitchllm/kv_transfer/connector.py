@@ -34,6 +34,7 @@ from hitchllm.kv_transfer.config import KVTransferConfig
 
 if TYPE_CHECKING:
     from hitchllm.plugins import PluginRegistry
+    from hitchllm.scheduler.step_plan import StepPlan
 
 
 @dataclass(frozen=True)
@@ -216,9 +217,8 @@ def connector_class(config: KVTransferConfig, registry: PluginRegistry) -> type[
     return cls
 
 
-def run_kv_transfers(connector: KVConnector, plan: Any) -> KVTransferEvents:
-    """One step's connector calls, in the order the module docstring gives (``plan`` is the
-    step's ``StepPlan``)."""
+def run_kv_transfers(connector: KVConnector, plan: StepPlan) -> KVTransferEvents:
+    """One step's connector calls, in the order the module docstring gives."""
     for rid in (*plan.finished_ids, *plan.preempted_ids, *plan.kv_load_cancels):
         connector.cancel_load(rid)
     for rid in plan.kv_load_finishes:

@@ -45,6 +45,8 @@ class KVTransferScheduling:
         # Consumer: requests whose KV is on its way, and when each stops waiting.
         self.receiving: dict[str, Request] = {}
         self._deadlines: dict[str, float] = {}
+        # Consumer: requests whose KV arrived, holding their blocks, until they run or end.
+        self._loaded: set[str] = set()
         # Producer: finished requests whose blocks wait for their save to be planned, and
         # the saves planned but not reported done yet (with when the engine stops waiting).
         self._saves: list[Request] = []
@@ -104,6 +106,7 @@ class KVTransferScheduling:
             request.status = RequestStatus.WAITING
             request.kv_transfer_params = None  # preempted later, it computes like any other
             self._finishes.append(rid)
+            self._loaded.add(rid)
             back.append(request)
         for rid, why in events.loads_failed:
             request = self.receiving.get(rid)
@@ -135,12 +138,19 @@ class KVTransferScheduling:
         self.num_fallbacks += 1
         return request
 
+    def is_loaded(self, request: Request) -> bool:
+        """True for a waiting request whose KV arrived: its first ``num_computed_tokens``
+        tokens need no computing."""
+        return request.request_id in self._loaded
+
     def forget(self, request: Request) -> None:
-        """``request`` ends (abort) while receiving or before its KV was copied in; the
-        scheduler frees its blocks and tells the runner (finished ids)."""
+        """``request`` ends or is preempted: a load under way or not yet copied in is dropped
+        (the scheduler frees its blocks; the runner learns of it from the plan's finished or
+        preempted ids)."""
         rid = request.request_id
         self.receiving.pop(rid, None)
         self._deadlines.pop(rid, None)
+        self._loaded.discard(rid)
         if rid in self._finishes:
             self._finishes.remove(rid)
 

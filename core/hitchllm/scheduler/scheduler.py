@@ -155,13 +155,10 @@ class Scheduler:
             self.running.remove(request)
             for gate in self.gates:
                 gate.released(request)
-        elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
-            assert self.kv_transfer is not None
-            self.kv_transfer.forget(request)
-        else:
-            if self.kv_transfer is not None:
-                self.kv_transfer.forget(request)
+        elif request.status != RequestStatus.WAITING_FOR_REMOTE_KV:  # that one is in none
             self.waiting.remove(request)
+        if self.kv_transfer is not None:
+            self.kv_transfer.forget(request)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
@@ -224,8 +221,8 @@ class Scheduler:
                     break
                 self.waiting.remove(request)  # it waits for its KV outside the queues
                 continue
-            if request.num_computed_tokens:  # its prompt's KV came from a producer
-                hit_blocks, num_hit = [], request.num_computed_tokens
+            if self.kv_transfer is not None and self.kv_transfer.is_loaded(request):
+                hit_blocks, num_hit = [], request.num_computed_tokens  # KV from a producer
             elif request.sampling_params.prompt_logprobs is None:
                 hit_blocks, num_hit = self.kv_cache.get_computed_blocks(request)
             else:  # every prompt position needs its logits: no prefix-cache hit

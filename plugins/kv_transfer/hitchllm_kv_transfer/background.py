@@ -3,16 +3,21 @@ loads into staging memory, and the bookkeeping the runner's calls read.
 
 The runner's thread only gathers pages (``save``), registers loads (``start_load``), copies
 staged pages into blocks (``finish_load``) and reads the news (``poll``); all waiting on the
-transport happens in the background thread, so a slow or absent peer never stalls a step.
+transport happens in the background thread, so a slow or absent peer never stalls a step. On
+a GPU the background thread's copies and transfers run on a side stream of their own
+(``side_stream``), so that waiting for them never holds up the forward passes queued on the
+default stream.
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
 import logging
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,8 +121,10 @@ class BackgroundConnector(KVConnector):
 
     def _run(self) -> None:
         while not self._closed.is_set():
-            busy = self._send_queued()
-            busy |= self._receive_pending()
+            device = self.kv_caches[0].device if self.kv_caches else None
+            with side_stream(device):
+                busy = self._send_queued()
+                busy |= self._receive_pending()
             if not busy:
                 self._wake.wait(IDLE_WAIT_S)
                 self._wake.clear()
@@ -154,6 +161,8 @@ class BackgroundConnector(KVConnector):
             deadline = entry.started + self.config.kv_load_timeout_s
             try:
                 pages = self._try_receive(load)
+                if pages is not None and pages and pages[0].is_cuda:
+                    torch.cuda.current_stream().synchronize()  # here before it is reported
                 if pages is None and time.monotonic() > deadline:
                     raise TimeoutError(f"nothing arrived in {self.config.kv_load_timeout_s:g} s")
                 if pages is not None:
@@ -186,6 +195,23 @@ class BackgroundConnector(KVConnector):
     @staticmethod
     def _block_size(load: KVLoad) -> int:
         return int(load.params["block_size"])
+
+
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+@contextlib.contextmanager
+def side_stream(device: torch.device | None) -> Iterator[None]:
+    """Run the block's CUDA work on ``device`` and a stream of its own (nothing off CUDA)."""
+    if device is None or device.type != "cuda":
+        yield
+        return
+    torch.cuda.set_device(device)
+    stream = _side_streams.get(device)
+    if stream is None:
+        stream = _side_streams.setdefault(device, torch.cuda.Stream(device))
+    with torch.cuda.stream(stream):
+        yield
 
 
 def _nbytes(pages: list[torch.Tensor]) -> int:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from hitchllm.kv_transfer import KVLoad, KVSave, KVTransferConfig
-from hitchllm_kv_transfer.background import BackgroundConnector
+from hitchllm_kv_transfer.background import BackgroundConnector, side_stream
 from hitchllm_kv_transfer.options import check_options
 
 _OPTIONS = {"host": str, "port": int, "backend": str, "ttl_s": (int, float)}
@@ -124,13 +124,14 @@ class TorchDistributedConnector(BackgroundConnector):
             self._store.delete_key(key)
             self._seq += 1
             pages = self._take_staged(rid)
-            if pages and pages[0].is_cuda:
-                torch.cuda.set_device(pages[0].device)  # this thread's NCCL calls run there
             header = torch.tensor([_FOUND if pages is not None else _MISSING,
                                    len(pages or [])], dtype=torch.int64)
-            self._p2p(header, send=True)
-            for page in pages or []:
-                self._p2p(page, send=True)
+            with side_stream(self.kv_caches[0].device if self.kv_caches else None):
+                self._p2p(header, send=True)
+                for page in pages or []:
+                    self._p2p(page, send=True)
+                if pages and pages[0].is_cuda:  # the pages may go once they are sent
+                    torch.cuda.current_stream().synchronize()
 
     def _take_staged(self, request_id: str) -> list[torch.Tensor] | None:
         """The request's pages; waits a little for a save still on its way."""
@@ -158,8 +159,6 @@ class TorchDistributedConnector(BackgroundConnector):
                              f"consumer's connector pairs with {self.host}:"
                              f"{self.port - self.rank}")
         device = self.kv_caches[0].device
-        if device.type == "cuda":
-            torch.cuda.set_device(device)  # this thread's NCCL calls run there
         self._connect()
         assert self._store is not None
         self._store.set(f"want/{self._seq}", params["remote_request_id"])
