@@ -1,6 +1,7 @@
 """Disaggregated prefill/decode on GPUs: the producer's KV reaches the consumer through each
-connector, and greedy tokens equal one ordinary engine's (bf16 on CUDA, so the reference is
-the same engine on the same card type)."""
+connector, and greedy tokens equal one ordinary engine's on the same card type. float32, so
+that the consumer's last prompt token (computed alone, where the reference computes it inside
+the prompt's batch) cannot flip a near-tie of the random model's logits."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from hitchllm.config import EngineConfig
 from hitchllm.engine.llm_engine import LLMEngine
 
 pytestmark = pytest.mark.gpu
-ENGINE = dict(num_kv_blocks=64, block_size=16, max_model_len=256, dtype="bfloat16",
+ENGINE = dict(num_kv_blocks=64, block_size=16, max_model_len=256, dtype="float32",
               enforce_eager=True)
 
 

@@ -1,5 +1,5 @@
-"""The ``hitchllm`` command: ``generate``, ``chat``, ``serve``, ``bench``, ``backends``,
-``tiny-model``. Without ``--model`` they use the bundled default model."""
+"""The ``hitchllm`` command: ``generate``, ``chat``, ``serve``, ``serve-disagg``, ``bench``,
+``backends``, ``tiny-model``. Without ``--model`` they use the bundled default model."""
 
 from __future__ import annotations
 
