@@ -171,6 +171,31 @@ def test_a_consumer_whose_kv_never_comes_computes_the_prompt_after_its_timeout(
     assert scrape(consumer, FALLBACKS) - fallbacks == 1
 
 
+def test_a_client_that_leaves_the_router_aborts_its_decode_and_frees_its_blocks(instances):
+    router, _, consumer = instances
+    abort = 'finished_reason="abort"'
+
+    def aborted() -> float:
+        try:
+            return scrape(consumer, "hitchllm:request_success_total", abort)
+        except KeyError:  # none aborted yet
+            return 0.0
+
+    before = aborted()
+    body = json.dumps({"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 240,
+                       "ignore_eos": True, "stream": True}).encode()
+    request = urllib.request.Request(f"{router}/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as r:
+        r.readline()  # the first chunk: the decode runs
+    deadline = time.monotonic() + 20
+    while aborted() == before:
+        assert time.monotonic() < deadline, "the decode request was not aborted"
+        time.sleep(0.1)
+    assert scrape(consumer, "hitchllm:num_requests_running") == 0
+    assert scrape(consumer, "hitchllm:kv_cache_usage_perc") == 0
+
+
 def _post(url: str, path: str, body: object) -> dict:
     req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
