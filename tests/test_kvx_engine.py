@@ -221,6 +221,13 @@ def test_bad_kv_transfer_config_fails_at_start_up_saying_what_to_change(llama_pa
     with pytest.raises(ValueError, match="backend must be nccl or gloo"):
         LLMEngine(EngineConfig(model=llama_path, **ENGINE, kv_transfer_config=kv_config(
             "torch_distributed", "consumer", backend="mpi")))
+    with pytest.raises(ValueError, match="cannot be combined with pipeline stages"):
+        LLMEngine(EngineConfig(model=llama_path, **ENGINE, pipeline_parallel_size=2,
+                               kv_transfer_config=kv_config("shared_memory", "producer")))
+    with pytest.raises(ValueError, match="cannot run speculative decoding"):
+        LLMEngine(EngineConfig(model=llama_path, **ENGINE, speculative_method="ngram",
+                               num_speculative_tokens=2,
+                               kv_transfer_config=kv_config("shared_memory", "consumer")))
     parser = cli.build_parser()
     with pytest.raises(ValueError, match="both --kv-role .* and --kv-connector"):
         cli.engine_kwargs(parser.parse_args(["serve", "--kv-role", "producer"]))
