@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from hitchllm.bundled_model import default_model_path
+from hitchllm.kv_transfer.config import KVTransferConfig
 from hitchllm.unsupported_args import pop_unsupported_vllm_args
 
 _DTYPES = {
@@ -182,6 +183,10 @@ class EngineConfig(BaseModel):
     # Tensor parallelism: seconds to wait for a worker's answer to one step before the engine
     # declares it hung and stops (a worker that dies is detected at once).
     worker_step_timeout_s: float = Field(300.0, gt=0)
+    # Disaggregated prefill/decode: the KV connector (from a plugin) and this engine's role,
+    # producer (computes prompts, ships their KV) or consumer (receives it, decodes); see
+    # docs/disaggregation.md. A dict is accepted.
+    kv_transfer_config: KVTransferConfig | None = None
 
     @field_validator("dtype")
     @classmethod

@@ -11,7 +11,8 @@ through these same hooks, so built-ins and third-party plugins are treated alike
 
 Hooks are grouped by the engine's lifecycle:
 
-1. Discovery (when an engine is built or backends are listed): what a plugin provides.
+1. Discovery (when an engine is built or backends are listed): what a plugin provides
+   (attention backends, models, quantization methods, proposers, KV connectors).
 2. Model load (once per engine): after the weights are in place, the fp8 KV-cache scales, the
    logits processors, and the LoRA adapters' manager.
 3. Per request: validation when a request is added, admission to the running requests,
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from hitchllm.attention.backend import AttentionBackend
     from hitchllm.config import EngineConfig, ModelConfig
     from hitchllm.engine.input_batch import RequestState
+    from hitchllm.kv_transfer import KVConnector
     from hitchllm.logits_processor import LogitsProcessor
     from hitchllm.lora import LoRAAdapters
     from hitchllm.request import Request
@@ -120,6 +122,27 @@ def hitchllm_speculative_proposers() -> dict[str, type[Proposer]]:
     drafts by rejection sampling (with ``probs`` when given), so the output distribution is the
     target model's whatever the drafts are; ``probs`` raise the acceptance rate of sampled
     drafts.
+    """
+
+
+@hookspec
+def hitchllm_kv_connectors() -> dict[str, type[KVConnector]]:
+    """Return a mapping of KV connector name to connector class (disaggregated serving).
+
+    Called when an engine starts with ``kv_transfer_config`` (``--kv-role producer|consumer
+    --kv-connector NAME``): the core picks the class its ``kv_connector`` names (an unknown
+    name is an error listing the installed ones), calls its ``check_config(config)`` (a bad
+    ``kv_connector_extra_config`` fails start-up with the connector's message), asks a
+    producer's class for ``transfer_params(config, engine_id)`` (the addressing a consumer
+    needs, returned to the client with each finished request), and constructs one instance
+    per model runner (per tensor-parallel rank, in its worker process) as
+    ``cls(config, engine_id, rank, world_size)``. A class subclasses
+    ``hitchllm.kv_transfer.KVConnector``; ``hitchllm.kv_transfer.connector`` says when the
+    runner calls it in a step: ``save`` copies a finished prompt's blocks out and sends them
+    asynchronously, ``start_load`` receives into staging memory, ``poll`` reports arrivals
+    (the scheduler then lets the request decode), ``finish_load`` copies the KV into the
+    blocks the scheduler reserved, ``cancel_load`` drops a load (abort, timeout). When two
+    plugins provide the same name, the one registered last wins.
     """
 
 

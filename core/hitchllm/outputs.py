@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -49,3 +50,6 @@ class RequestOutput:
     metrics: dict[str, float] = field(default_factory=dict)
     # Set when the engine failed the request (finish_reason "error"); the engine goes on.
     error: str | None = None
+    # A producer engine (disaggregated serving), once the request finished normally: what a
+    # consumer engine needs to load the prompt's KV (pass it as its ``kv_transfer_params``).
+    kv_transfer_params: dict[str, Any] | None = None

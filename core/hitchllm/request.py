@@ -19,6 +19,8 @@ class RequestStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
+    # Blocks reserved, the prompt's KV on its way from another engine (``hitchllm.kv_transfer``).
+    WAITING_FOR_REMOTE_KV = enum.auto()
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
@@ -68,6 +70,12 @@ class Request:
     # The logits processors (``hitchllm.logits_processor``) this request uses, chosen when it
     # is added; empty for most requests, which then skip that step of sampling entirely.
     logits_processors: list[Any] = field(default_factory=list)
+
+    # Disaggregated serving (``hitchllm.kv_transfer``): what the caller passed as
+    # ``kv_transfer_params`` (a consumer: where the producer's KV is; a producer:
+    # ``{"do_remote_decode": True}``), and, on a producer, the params its output hands on.
+    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_out: dict[str, Any] | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)

@@ -117,6 +117,9 @@ class InProcessExecutor(Executor):
     def execute_model(self, step: StepPlan) -> RunnerOutputFuture:
         return self.runner.execute_async(step)
 
+    def close(self) -> None:
+        self.worker.close()
+
 
 class WorkerGroupExecutor(Executor):
     """What the multiprocess and Ray executors share: set-up calls go to every rank through

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -29,6 +30,9 @@ from hitchllm.engine.ray_executor import RayExecutor
 from hitchllm.engine.tensor_parallel import check_tensor_parallel, heads_per_rank
 from hitchllm.engine.worker import Worker, WorkerSetup, plugin_logits_processors
 from hitchllm.kv_cache.manager import KVCacheManager
+from hitchllm.kv_transfer.connector import KVTransferStats, connector_class
+from hitchllm.kv_transfer.params import KVTransferParams
+from hitchllm.kv_transfer.scheduling import KVTransferScheduling
 from hitchllm.logger import init_logging
 from hitchllm.logits_processor import LogitsProcessor
 from hitchllm.lora import LORA_PLUGIN, LoRAAdapters, LoRACounters, LoRARequest
@@ -54,6 +58,8 @@ _DEVICE_ERRORS: tuple[type[BaseException], ...] = tuple(
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 4 * 2**30
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+# A consumer with nothing to compute while KV is on its way polls its connector this often.
+KV_POLL_INTERVAL_S = 0.002
 # SamplingParams fields that only a plugin's logits processor implements -> that plugin.
 PLUGIN_SAMPLING_FIELDS = {"structured_outputs": "hitchllm-structured-output"}
 
@@ -99,6 +105,12 @@ class EngineStats:
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
     lora: LoRACounters = field(default_factory=LoRACounters)
+    # Prompt tokens computed (not served by the prefix cache or a producer's KV).
+    num_prompt_tokens_computed: int = 0
+    # Disaggregated serving: the KV connector's totals (tensor-parallel rank 0's), and the
+    # requests that computed their prompt because their KV did not come.
+    kv_transfer: KVTransferStats = field(default_factory=KVTransferStats)
+    kv_load_fallbacks: int = 0
 
 
 class LLMEngine:
@@ -134,6 +146,7 @@ class LLMEngine:
         self._check_fp8_kv_cache_support()
         self._check_lora_support()
         check_pipeline_parallel(config, mc, self.device, self.registry)
+        self.kv_params = self._kv_transfer_params()
         check_tensor_parallel(config, mc, self.device)
         num_heads, num_kv_heads = heads_per_rank(mc, config.tensor_parallel_size)
         spec = AttentionSpec.for_device(
@@ -164,6 +177,7 @@ class LLMEngine:
             # Verification steps where every request has K drafts run from graphs too.
             graph_query_lens=(1,) if config.speculative_method is None
             else (1, 1 + config.num_speculative_tokens),
+            kv_engine_id="" if self.kv_params is None else self.kv_params.engine_id,
         )
         self.proposer: Proposer | None = None
         if config.distributed_executor_backend == "ray":
@@ -198,7 +212,10 @@ class LLMEngine:
             on_finish=None if self.proposer is None else self.proposer.remove_requests,
             gates=[gate for result in self.registry.hook.hitchllm_admission_gates(
                 engine_config=config) for gate in result or []],
+            kv_transfer=None if config.kv_transfer_config is None
+            else KVTransferScheduling(config.kv_transfer_config, self.kv_cache),
         )
+        self.kv_transfer_stats = KVTransferStats()
         self.output_processor = OutputProcessor(self.tokenizer)
         self.vocab_size = mc.vocab_size
         self.drafter: Drafter | None = None
@@ -243,6 +260,21 @@ class LLMEngine:
         )
         if not config.enforce_eager:
             self.executor.capture_cuda_graphs()
+
+    def _kv_transfer_params(self) -> KVTransferParams | None:
+        """Disaggregated serving: check the connector (before the model loads, so a bad name
+        or option costs no load time) and set up the transfer params."""
+        kv_config = self.config.kv_transfer_config
+        if kv_config is None:
+            return None
+        if self.config.pipeline_parallel_size > 1:
+            raise ValueError("kv_transfer_config cannot be combined with pipeline stages yet; "
+                             "use pipeline_parallel_size=1 (tensor parallelism is supported)")
+        if self.config.speculative_method is not None and kv_config.kv_role == "consumer":
+            raise ValueError("a consumer engine (kv_role=consumer) cannot run speculative "
+                             "decoding yet; drop speculative_method")
+        cls = connector_class(kv_config, self.registry)
+        return KVTransferParams(kv_config, cls, self.config.block_size)
 
     def _resolve_max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -359,12 +391,17 @@ class LLMEngine:
         cache_salt: str | None = None,
         lora_request: Any = None,
         final_only: bool = False,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> str:
         """Validate and queue a request; returns its id. Raises ``ValueError`` for a request
         that can never be served (nothing is queued then). With ``final_only`` the request
         appears in ``step()``'s outputs only once, finished (offline generation).
         ``lora_request`` (a ``hitchllm.LoRARequest``) names the adapter to run with; it
-        needs ``enable_lora`` and the LoRA plugin, and is refused otherwise."""
+        needs ``enable_lora`` and the LoRA plugin, and is refused otherwise.
+        ``kv_transfer_params`` (disaggregated serving, ``kv_transfer_config`` set): on a
+        producer ``{"do_remote_decode": True}`` saves the prompt's KV and puts the params a
+        consumer needs in the finished output's ``kv_transfer_params``; on a consumer, those
+        params load the prompt's KV instead of computing it."""
         params = params or SamplingParams()
         if lora_request is not None and not self.config.enable_lora:
             name = getattr(lora_request, "lora_name", lora_request)
@@ -383,6 +420,7 @@ class LLMEngine:
         self._validate(token_ids, params)
         processors = self.logits_processors_for(params)
         self.compile_logits_processors(params, processors)
+        self._check_kv_transfer_params(kv_transfer_params, params)
         children = []
         for i in range(params.n):
             child_params = params
@@ -400,12 +438,26 @@ class LLMEngine:
                 lora_request=lora_request,
                 logits_processors=processors,
             ))
+        if self.kv_params is not None:
+            self.kv_params.attach(children[0], kv_transfer_params)
         for child in children:
             self.registry.hook.hitchllm_request_added(request=child, engine_config=self.config)
         self.output_processor.add(request_id, text, children, final_only)
         for child in children:
             self.scheduler.add_request(child)
         return request_id
+
+    def _check_kv_transfer_params(
+        self, kv_transfer_params: dict[str, Any] | None, params: SamplingParams
+    ) -> None:
+        if kv_transfer_params is None:
+            return
+        if self.kv_params is None:
+            raise ValueError("kv_transfer_params needs an engine started for disaggregated "
+                             "serving (kv_transfer_config; hitchllm serve --kv-role "
+                             "producer|consumer --kv-connector NAME)")
+        if params.n > 1:
+            raise ValueError(f"kv_transfer_params works with n=1 only (got n={params.n})")
 
     @staticmethod
     def _child_id(request_id: str, index: int, n: int) -> str:
@@ -531,7 +583,10 @@ class LLMEngine:
         if self._in_flight is not None and not self._may_overlap(requests):
             outputs += self._complete_in_flight(work)
         if plan.is_empty and self._in_flight is None and self.scheduler.has_unfinished_requests():
-            raise RuntimeError("scheduler made no progress with unfinished requests queued")
+            if not self._waits_for_kv():
+                raise RuntimeError("scheduler made no progress with unfinished requests queued")
+            if not plan.has_kv_transfers:
+                time.sleep(KV_POLL_INTERVAL_S)  # nothing to run until KV arrives
         work.running = requests
         launched = _Launched(plan, requests, self.executor.execute_model(plan))
         work.launched = requests
@@ -543,6 +598,10 @@ class LLMEngine:
         else:
             outputs += self._complete(launched)
         work.launched = []
+
+    def _waits_for_kv(self) -> bool:
+        transfers = self.scheduler.kv_transfer
+        return transfers is not None and transfers.has_work()
 
     def _complete_in_flight(self, work: _StepWork) -> list[RequestOutput]:
         assert self._in_flight is not None
@@ -600,6 +659,9 @@ class LLMEngine:
     def _complete(self, launched: _Launched) -> list[RequestOutput]:
         """Wait for a launched step's tokens and fold them into requests and outputs."""
         result = launched.output.result()
+        if result.kv_events is not None:
+            self.scheduler.update_kv_transfers(result.kv_events)
+            self.kv_transfer_stats = result.kv_events.stats
         updated = self.scheduler.update_from_output(
             launched.plan, launched.requests, result.sampled)
         outputs, stopped = self.output_processor.process(
@@ -629,6 +691,9 @@ class LLMEngine:
             spec_decode_num_drafts=s.stats.num_spec_drafts,
             spec_decode_num_draft_tokens=s.stats.num_spec_draft_tokens,
             spec_decode_num_accepted_tokens=s.stats.num_spec_accepted_tokens,
+            num_prompt_tokens_computed=s.stats.num_prompt_tokens_computed,
+            kv_transfer=self.kv_transfer_stats,
+            kv_load_fallbacks=0 if s.kv_transfer is None else s.kv_transfer.num_fallbacks,
             **lora,
         )
 

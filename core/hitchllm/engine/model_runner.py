@@ -28,6 +28,7 @@ from hitchllm.engine.runner_output import PendingOutput, RunnerOutput
 from hitchllm.engine.sampler import Sampler
 from hitchllm.engine.sampling_metadata import build_sampling_metadata
 from hitchllm.engine.step_buffers import StepBuffers
+from hitchllm.kv_transfer.connector import KVConnector, run_kv_transfers
 from hitchllm.logits_processor import LogitsEdit, LogitsProcessor, LogitsRow
 from hitchllm.sampling_params import SamplingParams
 from hitchllm.scheduler.step_plan import StepPlan
@@ -61,8 +62,11 @@ class ModelRunner:
         keep_hidden_states: bool = False,
         graph_query_lens: tuple[int, ...] = (1,),
         samples: bool = True,
+        kv_connector: KVConnector | None = None,
     ) -> None:
         self.model = model
+        # Disaggregated serving: saves and loads this rank's share of requests' KV blocks.
+        self.kv_connector = kv_connector
         # False on a pipeline stage before the last: it runs its layers (the model hands the
         # hidden state on) and has no LM head; its request states advance with the tokens
         # the driver feeds it (``append_fed_tokens``).
@@ -135,6 +139,8 @@ class ModelRunner:
                             self.spec)
             layer.bind(impl, cache)
             self.kv_caches.append(cache)
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(self.kv_caches, self.kv_block_dims)
 
     @torch.inference_mode()
     def measure_peak_memory(self) -> int:
@@ -226,8 +232,16 @@ class ModelRunner:
 
         A scheduled token the host has not seen yet (the pending token of a request whose
         previous step is still running) is taken from that step's sampled tokens on the
-        device.
+        device. The KV connector's transfers run first (``hitchllm.kv_transfer.connector``).
         """
+        kv_events = None
+        if self.kv_connector is not None:
+            kv_events = run_kv_transfers(self.kv_connector, plan)
+        pending = self._launch(plan)
+        pending.kv_events = kv_events
+        return pending
+
+    def _launch(self, plan: StepPlan) -> PendingOutput:
         batch = self.input_batch
         for rid in (*plan.preempted_ids, *plan.finished_ids):
             batch.release(rid)

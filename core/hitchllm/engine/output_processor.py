@@ -195,7 +195,13 @@ class OutputProcessor:
         if parent.prompt_logprobs is not None:
             found = parent.prompt_logprobs
             prompt_lps = [None] + [found.get(i) for i in range(1, len(parent.prompt_token_ids))]
+        first = parent.sequences[0]
+        kv_params = None
+        if first.request.kv_transfer_out is not None and first.finish_reason in ("stop",
+                                                                                "length"):
+            kv_params = first.request.kv_transfer_out
         return RequestOutput(
+            kv_transfer_params=kv_params,
             request_id=parent.request_id,
             prompt_logprobs=prompt_lps,
             prompt=parent.prompt,

@@ -15,6 +15,7 @@ import torch
 from hitchllm.engine.input_batch import RequestState
 from hitchllm.engine.prompt_logprobs import PromptLogprobs
 from hitchllm.engine.sampler import LogprobsTensors
+from hitchllm.kv_transfer.connector import KVTransferEvents
 from hitchllm.logits_processor import host_to_device
 from hitchllm.outputs import Logprob
 
@@ -33,6 +34,8 @@ class RunnerOutput:
     logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     hidden_states: torch.Tensor | None = None
+    # The runner's KV connector's news this step (None without a connector).
+    kv_events: KVTransferEvents | None = None
 
 
 class PendingOutput:
@@ -58,6 +61,7 @@ class PendingOutput:
         self.logprobs = logprobs
         self.prompt_logprobs = prompt_logprobs or {}
         self.hidden_states: torch.Tensor | None = None
+        self.kv_events: KVTransferEvents | None = None
         self._result: RunnerOutput | None = None
 
     def result(self) -> RunnerOutput:
@@ -69,7 +73,7 @@ class PendingOutput:
         return self._result
 
     def _read(self) -> RunnerOutput:
-        out = RunnerOutput(prompt_logprobs=self.prompt_logprobs)
+        out = RunnerOutput(prompt_logprobs=self.prompt_logprobs, kv_events=self.kv_events)
         if self.sampled_host is None:
             return out
         if self.ready is not None:

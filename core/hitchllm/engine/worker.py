@@ -38,6 +38,7 @@ from hitchllm.engine.cuda_graphs import default_capture_sizes
 from hitchllm.engine.kv_sizing import MemorySnapshot, cuda_kv_cache_bytes
 from hitchllm.engine.model_runner import ModelRunner
 from hitchllm.engine.runner_output import PendingOutput, RunnerOutput
+from hitchllm.kv_transfer.connector import KVConnector, connector_class
 from hitchllm.logits_processor import LogitsProcessor
 from hitchllm.models import fused
 from hitchllm.models.loader import load_model
@@ -67,6 +68,8 @@ class WorkerSetup:
     max_num_tokens: int
     eos_token_ids: tuple[int, ...]
     graph_query_lens: tuple[int, ...] = (1,)
+    # Disaggregated serving: the engine's id, which its KV connectors name their transfers by.
+    kv_engine_id: str = ""
 
     def device_for(self, rank: ParallelRank) -> torch.device:
         if self.device.type == "cuda" and rank.world_size > 1:
@@ -169,8 +172,22 @@ class Worker:
             keep_hidden_states=keep_hidden_states,
             graph_query_lens=s.graph_query_lens,
             samples=self.rank.is_last_stage,
+            kv_connector=self._kv_connector(),
         )
         return self._runner
+
+    def _kv_connector(self) -> KVConnector | None:
+        """This rank's KV connector, when the engine moves KV (``kv_transfer_config``)."""
+        config = self.setup.config.kv_transfer_config
+        if config is None:
+            return None
+        cls = connector_class(config, self.registry)
+        return cls(config, self.setup.kv_engine_id, self.rank.tp_rank, self.rank.tp_size)
+
+    def close(self) -> None:
+        """Stop what the runner runs in the background (its KV connector's transfers)."""
+        if self._runner is not None and self._runner.kv_connector is not None:
+            self._runner.kv_connector.close()
 
     # ---- the runner's set-up and steps -------------------------------------------------
 

@@ -110,6 +110,7 @@ def serve(worker: Worker, conn: Connection, calls_taken: MutableSequence[int]) -
         if method == "flush":
             continue
         if method == "shutdown":
+            worker.close()
             conn.send(("ok", None))
             return
         try:

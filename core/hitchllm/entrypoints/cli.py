@@ -1,5 +1,5 @@
-"""The ``hitchllm`` command: ``generate``, ``chat``, ``serve``, ``bench``, ``backends``,
-``tiny-model``. Without ``--model`` they use the bundled default model."""
+"""The ``hitchllm`` command: ``generate``, ``chat``, ``serve``, ``serve-disagg``, ``bench``,
+``backends``, ``tiny-model``. Without ``--model`` they use the bundled default model."""
 
 from __future__ import annotations
 
@@ -89,6 +89,17 @@ def add_engine_args(
                    default=None, help="CUDA: run norms, rotary and activations unfused")
     g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                    default=None, help="wait for each step's tokens before scheduling the next")
+    g.add_argument("--kv-role", choices=["producer", "consumer"],
+                   help="disaggregated serving: producer (computes prompts, ships their KV) "
+                        "or consumer (loads it, decodes); needs --kv-connector")
+    g.add_argument("--kv-connector",
+                   help="KV connector from a plugin: shared_memory (one host) or "
+                        "torch_distributed (GPU to GPU), from hitchllm-kv-transfer")
+    g.add_argument("--kv-connector-extra-config", metavar="JSON",
+                   help="the connector's options as JSON, e.g. '{\"port\": 14579}'")
+    g.add_argument("--kv-load-timeout-s", type=float,
+                   help="consumer: seconds to wait for a request's KV before computing its "
+                        "prompt itself (default 30)")
     # vLLM's flags for what hitchllm does not implement yet: accepted so that EngineConfig
     # refuses them by name (or ignores a no-op value) instead of argparse calling them unknown.
     for name, (no_op, _) in VLLM_ARGS_NOT_SUPPORTED.items():
@@ -120,7 +131,33 @@ SERVE_FLAGS = ("data_parallel_size",)
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The ``EngineConfig`` fields given on the command line (unset ones left out)."""
-    return {n: getattr(args, n) for n in ENGINE_FLAGS if getattr(args, n) is not None}
+    kwargs = {n: getattr(args, n) for n in ENGINE_FLAGS if getattr(args, n) is not None}
+    kv_transfer = kv_transfer_config(args)
+    if kv_transfer is not None:
+        kwargs["kv_transfer_config"] = kv_transfer
+    return kwargs
+
+
+def kv_transfer_config(args: argparse.Namespace) -> dict[str, Any] | None:
+    """``kv_transfer_config`` from the --kv-* flags (None when none is given)."""
+    role, name = getattr(args, "kv_role", None), getattr(args, "kv_connector", None)
+    extra, timeout = (getattr(args, "kv_connector_extra_config", None),
+                      getattr(args, "kv_load_timeout_s", None))
+    if role is None and name is None and extra is None and timeout is None:
+        return None
+    if role is None or name is None:
+        raise ValueError("disaggregated serving needs both --kv-role (producer or consumer) "
+                         "and --kv-connector (e.g. shared_memory)")
+    config: dict[str, Any] = {"kv_role": role, "kv_connector": name}
+    if extra is not None:
+        try:
+            config["kv_connector_extra_config"] = json.loads(extra)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--kv-connector-extra-config is not JSON ({exc}); write e.g. "
+                             "'{\"path\": \"/dev/shm/kv\"}'") from exc
+    if timeout is not None:
+        config["kv_load_timeout_s"] = timeout
+    return config
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -288,6 +325,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve_disagg(args: argparse.Namespace) -> int:
+    try:
+        from hitchllm.entrypoints.disagg_router import serve_router
+    except ImportError as exc:
+        raise SystemExit(f"the router needs extra packages ({exc.name} is missing): "
+                         "pip install 'hitchllm[serve]'") from exc
+
+    serve_router(args.prefill, args.decode, host=args.host, port=args.port,
+                 timeout_s=args.timeout_s)
+    return 0
+
+
 def cmd_backends(args: argparse.Namespace) -> int:
     from hitchllm.entrypoints.backends_table import print_backends
 
@@ -343,6 +392,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="LoRA adapters served as models of their names (with --enable-lora): "
                         "NAME=PATH, or JSON '{\"name\": NAME, \"path\": PATH}'")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("serve-disagg",
+                       help="route OpenAI requests over a prefill and a decode instance")
+    p.add_argument("--prefill", required=True, metavar="URL",
+                   help="base URL of the producer (hitchllm serve --kv-role producer), e.g. "
+                        "http://127.0.0.1:8100")
+    p.add_argument("--decode", required=True, metavar="URL",
+                   help="base URL of the consumer (hitchllm serve --kv-role consumer)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--timeout-s", type=float, default=600.0,
+                   help="longest a request to either instance may take (default 600)")
+    p.set_defaults(func=cmd_serve_disagg)
 
     p = sub.add_parser("bench", help="benchmarks")
     bench = p.add_subparsers(dest="bench_command", required=True)

@@ -155,6 +155,21 @@ class KVCacheManager:
             self._register_full_blocks(request, min(num_computed_after, request.num_tokens))
         return True
 
+    def reserve_blocks(self, request: Request, num_tokens: int) -> bool:
+        """Give ``request`` (which holds no block) fresh blocks for ``num_tokens`` tokens whose
+        KV another engine will send (disaggregated decode). They are not offered to the prefix
+        cache until the request computes on (``allocate_slots``), so no other request can hit
+        them before the KV is in. Returns False, changing nothing, when too few are free."""
+        if request.request_id in self._blocks:
+            raise ValueError(f"request {request.request_id} already holds blocks")
+        num_blocks = -(-num_tokens // self.block_size)
+        if num_blocks > self.block_pool.num_free_blocks:
+            return False
+        blocks = self.block_pool.get_new_blocks(num_blocks)
+        self._blocks[request.request_id] = blocks
+        self._block_ids[request.request_id] = [b.block_id for b in blocks]
+        return True
+
     def _shared_blocks_to_write(self, request: Request, blocks: list[KVCacheBlock]) -> list[int]:
         """Indices of the request's blocks that this step writes into and that another
         request also holds (only a fork's blocks can be: prefix-cache hits are full blocks,

@@ -17,6 +17,10 @@ are freed and it goes back to the front of the waiting queue (prefix caching usu
 recompute cheap). The victim is chosen by ``PreemptionPolicy`` among the running requests not
 yet scheduled in the step.
 
+With a KV connector (disaggregated serving, ``hitchllm.kv_transfer``), a producer keeps a
+finished request's blocks until its KV is saved, and a consumer reserves blocks for a request's
+incoming KV and holds it out of the queues until the KV is in (``KVTransferScheduling``).
+
 Admission gates (``hitchllm.scheduler.admission``) from plugins may hold a waiting request
 back for a step (the LoRA plugin does while every adapter slot serves other adapters); the
 requests behind it are admitted in its place.
@@ -34,6 +38,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from hitchllm.kv_cache.manager import KVCacheManager
+from hitchllm.kv_transfer.connector import KVTransferEvents
+from hitchllm.kv_transfer.scheduling import KVTransferScheduling
 from hitchllm.request import Request, RequestStatus
 from hitchllm.scheduler.admission import AdmissionGate
 from hitchllm.scheduler.policy import PreemptionPolicy
@@ -63,6 +69,9 @@ class SchedulerStats:
     num_spec_drafts: int = 0
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0
+    # Prompt tokens scheduled for computation (prefix-cache hits and KV received from a
+    # producer are not computed).
+    num_prompt_tokens_computed: int = 0
 
 
 class Scheduler:
@@ -72,10 +81,12 @@ class Scheduler:
         self, config: SchedulerConfig, kv_cache: KVCacheManager,
         on_finish: Callable[[list[str]], None] | None = None,
         gates: Iterable[AdmissionGate] = (),
+        kv_transfer: KVTransferScheduling | None = None,
     ) -> None:
         self.config = config
         self.kv_cache = kv_cache
         self.gates = list(gates)
+        self.kv_transfer = kv_transfer
         # Told the id of every request as it finishes (the speculative proposer's
         # ``remove_requests``), whatever ended it.
         self.on_finish = on_finish
@@ -128,7 +139,15 @@ class Scheduler:
             self._finish(request, status)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running
+                    or (self.kv_transfer is not None and self.kv_transfer.has_work()))
+
+    def update_kv_transfers(self, events: KVTransferEvents) -> None:
+        """The runner's KV-transfer news (loads arrived or failed): such requests wait again,
+        first in the queue."""
+        if self.kv_transfer is not None:
+            for request in self.kv_transfer.update(events):
+                self.config.policy.enqueue(self.waiting, request, front=True)
 
     def _dequeue(self, request: Request) -> None:
         """Take ``request`` out of its queue (running or waiting)."""
@@ -136,13 +155,16 @@ class Scheduler:
             self.running.remove(request)
             for gate in self.gates:
                 gate.released(request)
-        else:
+        elif request.status != RequestStatus.WAITING_FOR_REMOTE_KV:  # that one is in none
             self.waiting.remove(request)
+        if self.kv_transfer is not None:
+            self.kv_transfer.forget(request)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self._clear_suspect(request)
-        self.kv_cache.free(request)
+        if self.kv_transfer is None or not self.kv_transfer.hold_for_save(request):
+            self.kv_cache.free(request)
         self._blocks_sent.pop(request.request_id, None)
         self._finished.append(request.request_id)
         del self.requests[request.request_id]
@@ -158,6 +180,9 @@ class Scheduler:
         preempted_any = False
         # After a failed step only the current group of suspects runs.
         allowed = self._suspects[0] if self._suspects else None
+        if self.kv_transfer is not None:
+            for request in self.kv_transfer.expire():
+                self.config.policy.enqueue(self.waiting, request, front=True)
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -191,7 +216,14 @@ class Scheduler:
                 break
             if not all(gate.may_admit(request) for gate in self.gates):
                 continue  # it keeps its place; the requests behind it may go first
-            if request.sampling_params.prompt_logprobs is None:
+            if self.kv_transfer is not None and self.kv_transfer.wants_load(request):
+                if not self.kv_transfer.reserve(request):
+                    break
+                self.waiting.remove(request)  # it waits for its KV outside the queues
+                continue
+            if self.kv_transfer is not None and self.kv_transfer.is_loaded(request):
+                hit_blocks, num_hit = [], request.num_computed_tokens  # KV from a producer
+            elif request.sampling_params.prompt_logprobs is None:
                 hit_blocks, num_hit = self.kv_cache.get_computed_blocks(request)
             else:  # every prompt position needs its logits: no prefix-cache hit
                 hit_blocks, num_hit = [], 0
@@ -215,6 +247,9 @@ class Scheduler:
         samples = [c + n >= r.num_tokens + r.num_pending_tokens
                    for r, c, n in zip(requests, computed, counts)]
         for request, num_new, sample in zip(requests, counts, samples):
+            self.stats.num_prompt_tokens_computed += max(
+                0, min(request.num_computed_tokens + num_new, request.num_prompt_tokens)
+                - request.num_computed_tokens)
             request.num_computed_tokens += num_new
             request.num_pending_tokens += sample
         plan = StepPlan([r.request_id for r in requests], counts, computed, samples)
@@ -223,6 +258,8 @@ class Scheduler:
         plan.block_copies = self.kv_cache.take_block_copies()
         plan.preempted_ids, self._preempted = self._preempted, []
         plan.finished_ids, self._finished = self._finished, []
+        if self.kv_transfer is not None:
+            self.kv_transfer.fill_plan(plan)
         self.stats.num_running = len(self.running)
         self.stats.num_waiting = len(self.waiting)
         return plan

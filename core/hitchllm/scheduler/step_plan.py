@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from hitchllm.kv_transfer.connector import KVLoad, KVSave
 from hitchllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -62,6 +63,19 @@ class StepPlan:
     # Copy-on-write: (source, destination) KV block ids to copy in every layer's cache, in
     # order, before this step's forward (a forked beam's first write into a shared block).
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # KV transfer (disaggregated serving; ``hitchllm.kv_transfer.connector`` says the order
+    # the runner's connector runs them in, before the forward): producer requests to save,
+    # consumer loads to start, loads whose KV arrived to copy into their blocks, and loads to
+    # drop. Empty on engines without a connector.
+    kv_saves: list[KVSave] = field(default_factory=list)
+    kv_loads: list[KVLoad] = field(default_factory=list)
+    kv_load_finishes: list[str] = field(default_factory=list)
+    kv_load_cancels: list[str] = field(default_factory=list)
+
+    @property
+    def has_kv_transfers(self) -> bool:
+        return bool(self.kv_saves or self.kv_loads or self.kv_load_finishes
+                    or self.kv_load_cancels)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

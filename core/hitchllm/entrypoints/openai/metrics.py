@@ -69,6 +69,22 @@ class ServerMetrics:
                                    "Draft verifications (one per request and step with drafts).")
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
         self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.prompt_tokens_computed = counter(
+            "prompt_tokens_computed",
+            "Prompt tokens computed (not served by the prefix cache or a producer's KV).")
+        # Disaggregated serving (a KV connector): transfers, their bytes (this server's
+        # tensor-parallel rank 0's share) and seconds (a load: from the start of the wait
+        # until the KV is here), and consumer requests that computed their prompt instead.
+        kv = [counter(f"kv_transfer_{name}", doc) for name, doc in (
+            ("saves", "KV saves done (producer)."),
+            ("save_bytes", "KV bytes saved (producer)."),
+            ("save_seconds", "Seconds from a save's start until its KV left (producer)."),
+            ("loads", "KV loads done (consumer)."),
+            ("load_bytes", "KV bytes loaded (consumer)."),
+            ("load_seconds", "Seconds from a load's start until its KV arrived (consumer)."),
+            ("failed_loads", "KV loads that failed (consumer)."),
+            ("load_fallbacks", "Requests that computed their prompt: their KV never came."),
+        )]
         self.request_success = counter("request_success", "Requests finished, by reason.",
                                        ("finished_reason",))
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
@@ -79,10 +95,14 @@ class ServerMetrics:
         for metric in (self.running, self.waiting, self.kv_usage, self.prompt_tokens,
                        self.generation_tokens, self.preemptions, self.prefix_queries,
                        self.prefix_hits, self.spec_drafts, self.spec_draft_tokens,
-                       self.spec_accepted, self.ttft, self.itl, self.e2e):
+                       self.spec_accepted, self.ttft, self.itl, self.e2e,
+                       self.prompt_tokens_computed, *kv):
             metric.labels(model_name)
+        self._totals_of = [self.preemptions, self.prefix_queries, self.prefix_hits,
+                           self.spec_drafts, self.spec_draft_tokens, self.spec_accepted,
+                           self.prompt_tokens_computed, *kv]
         self._timing: dict[str, _RequestTiming] = {}
-        self._last_totals = (0,) * 6
+        self._last_totals: tuple[float, ...] = (0,) * len(self._totals_of)
         self._lora: _LoRAMetrics | None = None
         if max_loras is not None:
             self._lora = _LoRAMetrics(self.registry, model_name, max_loras, counter)
@@ -97,13 +117,13 @@ class ServerMetrics:
         self.running.labels(m).set(stats.num_running)
         self.waiting.labels(m).set(stats.num_waiting)
         self.kv_usage.labels(m).set(stats.kv_cache_usage)
+        kv = stats.kv_transfer
         totals = (stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits,
                   stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens,
-                  stats.spec_decode_num_accepted_tokens)
-        for metric, new, old in zip(
-            (self.preemptions, self.prefix_queries, self.prefix_hits, self.spec_drafts,
-             self.spec_draft_tokens, self.spec_accepted), totals, self._last_totals, strict=True
-        ):
+                  stats.spec_decode_num_accepted_tokens, stats.num_prompt_tokens_computed,
+                  kv.num_saves, kv.bytes_saved, kv.save_seconds, kv.num_loads, kv.bytes_loaded,
+                  kv.load_seconds, kv.num_failed_loads, stats.kv_load_fallbacks)
+        for metric, new, old in zip(self._totals_of, totals, self._last_totals, strict=True):
             if new > old:
                 metric.labels(m).inc(new - old)
         self._last_totals = totals

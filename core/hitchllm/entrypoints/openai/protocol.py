@@ -65,6 +65,9 @@ class _SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # Disaggregated serving (vLLM's field): to a producer ``{"do_remote_decode": true}``; to a
+    # consumer, the ``kv_transfer_params`` the producer's response carried.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def unsupported(self) -> list[str]:
         """Fields set to something this server does not implement."""

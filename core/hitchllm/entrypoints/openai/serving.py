@@ -87,12 +87,20 @@ class OpenAIServing:
     # ---- shared ------------------------------------------------------------------------
 
     async def _start(
-        self, prompts: list[Any], params: Any, lora_request: LoRARequest | None
+        self, prompts: list[Any], params: Any, lora_request: LoRARequest | None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> _Batch:
         """Submit every prompt (run with ``lora_request``'s adapter, if any) and wait until
         each has produced output (raises ValueError if the engine rejects any of them; the
-        others are then aborted)."""
-        iterators = [self.engine.generate(p, params, lora_request=lora_request)
+        others are then aborted). ``kv_transfer_params`` (disaggregated serving) go with a
+        single prompt."""
+        extra: dict[str, Any] = {}
+        if kv_transfer_params is not None:
+            if len(prompts) != 1:
+                raise ValueError("kv_transfer_params: send one prompt per request in "
+                                 f"disaggregated serving (got {len(prompts)})")
+            extra["kv_transfer_params"] = kv_transfer_params
+        iterators = [self.engine.generate(p, params, lora_request=lora_request, **extra)
                      for p in prompts]
         merged = merge(iterators)
         latest: dict[int, RequestOutput] = {}
@@ -166,7 +174,7 @@ class OpenAIServing:
         _check_no_streamed_prompt_logprobs(req)
         params = req.completion_params()
         batch = await self._start(await self.tokenize_prompts(req.prompts(), params), params,
-                                  lora_request)
+                                  lora_request, req.kv_transfer_params)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created,
                 "model": self._reported_model(lora_request)}
@@ -180,7 +188,7 @@ class OpenAIServing:
             usage.update(completion_tokens=0, total_tokens=usage["prompt_tokens"])
         if req.stream:  # echo only: the whole answer is known at once
             return self._stream_whole(req, head, choices, usage)
-        return {**head, "choices": choices, "usage": usage}
+        return {**head, "choices": choices, "usage": usage, **_kv_transfer_json(outputs)}
 
     async def _beam_search_completions(
         self, req: CompletionRequest, lora_request: LoRARequest | None
@@ -348,7 +356,7 @@ class OpenAIServing:
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = req.sampling_params(max_tokens, req.num_logprobs())
         prompt = await self.in_tokenizer_thread(self.chat_prompt, req)
-        batch = await self._start([prompt], params, lora_request)
+        batch = await self._start([prompt], params, lora_request, req.kv_transfer_params)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         model = self._reported_model(lora_request)
         if req.stream:
@@ -365,7 +373,7 @@ class OpenAIServing:
         return {"id": rid, "object": "chat.completion", "created": created,
                 "model": model, "choices": choices, "usage": self._usage([out]),
                 "prompt_logprobs": _prompt_logprobs_json(out.prompt_logprobs)
-                if req.prompt_logprobs is not None else None}
+                if req.prompt_logprobs is not None else None, **_kv_transfer_json([out])}
 
     def _stream_chat(
         self, req: ChatCompletionRequest, batch: _Batch, rid: str, created: int, model: str,
@@ -399,6 +407,12 @@ class OpenAIServing:
     def _chat_token(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self._token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def _kv_transfer_json(outputs: list[RequestOutput]) -> dict[str, Any]:
+    """A producer's ``kv_transfer_params`` for the response (nothing from other engines)."""
+    params = outputs[0].kv_transfer_params if len(outputs) == 1 else None
+    return {} if params is None else {"kv_transfer_params": params}
 
 
 def _check_no_streamed_prompt_logprobs(req: CompletionRequest | ChatCompletionRequest) -> None:

@@ -1,0 +1,1 @@
+"""KV connectors for disaggregated prefill/decode (``hitchllm_kv_connectors``)."""
