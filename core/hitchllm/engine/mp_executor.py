@@ -121,6 +121,8 @@ class MultiprocExecutor(WorkerGroupExecutor):
         self._unfed: dict[str, list[int]] = {}
         # With pipeline stages: the request ids of each step whose answer was not read yet.
         self._unread_ids: dict[int, list[str]] = {}
+        # The most steps sent to the workers at once whose answers the driver had not read.
+        self.max_unread_steps = 0
         self.step_timeout_s = config.worker_step_timeout_s
         self._launched = 0  # steps sent to the workers
         self._flushed = False  # whether the workers were asked to answer the last one
@@ -286,6 +288,7 @@ class MultiprocExecutor(WorkerGroupExecutor):
             self._unread_ids[self._launched] = step.request_ids
         self._send("execute_model", step, fed)
         self._launched += 1
+        self.max_unread_steps = max(self.max_unread_steps, self._launched - self._collected)
         self._flushed = False
         return LazyStepOutput(self._step_output, self._launched - 1)
 
