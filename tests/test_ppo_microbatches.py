@@ -164,6 +164,25 @@ def test_two_micro_batches_generate_what_one_step_at_a_time_does(llama_path, pre
     assert_no_leak(llm)
 
 
+def test_requests_that_stop_while_other_steps_are_in_flight(llama_path):
+    """Stop tokens are found when a step's tokens come back: each request ends where it does
+    in the plain engine (a stop token, or its own max_tokens), nothing past it is emitted."""
+    plain = LLM(llama_path, **ENGINE)
+    free_run = generate(plain, greedy(12))
+    params = [SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[run[0][2 + i]])
+              if i % 2 == 0 else greedy(3 + i) for i, run in enumerate(free_run)]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    expected = [o.outputs[0] for o in plain.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(llama_path, **ENGINE)
+    micro_batched(llm)
+    got = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert [o.finish_reason for o in got] == [o.finish_reason for o in expected]
+    assert {o.finish_reason for o in got} == {"stop", "length"}
+    assert llm.engine.stats().max_steps_in_flight == 2
+    assert_no_leak(llm)
+
+
 def test_without_micro_batches_at_most_one_step_waits(llama_path):
     """The counter is not stuck at its bound: an engine without micro-batches and without
     async scheduling completes every step before the next."""
