@@ -12,9 +12,10 @@ Each step the driver pickles the ``StepPlan`` once (plain data: ids, token ids, 
 sampling parameters; no tensors) and writes the bytes to every worker's pipe. Every rank runs
 the step; rank 0 answers with its ``RunnerOutput`` (plain lists), every other rank with a
 digest of its sampled tokens, checked against rank 0's. The driver does not wait when it
-launches a step, so it schedules the next step while the workers compute this one; a worker
-answers a step once it has launched the next (its device is never idle while it prepares a
-step) or when the driver asks for the answer (``flush``: no next step is coming first).
+launches a step, so it schedules the next step while the workers compute this one; a CUDA
+worker answers a step once it has launched the next (its device is never idle while it
+prepares a step) or when the driver asks for the answer (``flush``: no next step is coming
+first); a CPU worker has computed a step when it launched it and answers at once.
 
 Pipeline stages: only the last stage samples; its tensor-parallel rank 0 answers, its other
 ranks send digests and the earlier stages answer None. The earlier stages need a request's
