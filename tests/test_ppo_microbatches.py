@@ -77,6 +77,23 @@ def test_max_num_seqs_bounds_the_running_requests_of_all_micro_batches():
     assert len(s.running) == 4 and len(s.waiting) == 2
 
 
+def test_running_requests_split_over_micro_batches_when_the_cache_holds_few():
+    """The KV cache holds 4 of 10 requests: with 6 waiting, the requests-in-all share is 5,
+    but the 4 running ones still split 2 + 2 (else one step would take all 4 and the other
+    find none free)."""
+    s = scheduler(num_blocks=8, max_num_seqs=16)
+    reqs = [request(f"r{i}", 7) for i in range(10)]  # 2 blocks each
+    for r in reqs:
+        s.add_request(r)
+    first = s.schedule()
+    assert first.request_ids == ["r0", "r1", "r2", "r3"]  # the cache is full
+    assert s.schedule(busy=set(reqs[:4])).is_empty
+    s.update_from_output(first, reqs[:4], {f"r{i}": [9] for i in range(4)})
+    third = s.schedule()
+    assert third.request_ids == ["r0", "r1"]  # ceil(4 running / 2)
+    assert s.schedule(busy=set(reqs[:2])).request_ids == ["r2", "r3"]
+
+
 def two_requests_filling_the_cache() -> tuple[Scheduler, Request, Request]:
     """``first`` came back with a token that needs a third block; ``second`` (2 blocks, the
     rest of the cache) was launched after it and is still in flight."""

@@ -30,12 +30,14 @@ Micro-batches (pipeline parallelism, ``SchedulerConfig.num_micro_batches`` = M >
 engine keeps up to M steps in flight, each over its own requests, so that the pipeline stages
 work on different steps at once. ``schedule(busy=...)`` then skips the requests of the steps
 in flight (their next token is not known yet) and never preempts them (their step is still
-writing into their blocks). Each step takes what is free, within two limits: the token budget
-``max_num_batched_tokens`` is each step's own (it bounds one forward on every stage), and one
-step schedules at most ``ceil(min(max_num_seqs, unfinished requests) / M)`` requests, so that
-the unfinished requests spread over M micro-batches instead of the first step taking them all
-and the others finding nothing free. ``max_num_seqs`` still bounds the running requests of all
-micro-batches together (every stage's runner holds the state of each).
+writing into their blocks). Each step takes what is free, within these limits: the token
+budget ``max_num_batched_tokens`` is each step's own (it bounds one forward on every stage);
+one step schedules at most ``ceil(running / M)`` of the running requests and at most
+``ceil(min(max_num_seqs, unfinished requests) / M)`` requests in all, so that the requests
+spread over M micro-batches instead of the first step taking them all and the others finding
+nothing free (also when the KV cache holds fewer requests than are waiting). ``max_num_seqs``
+still bounds the running requests of all micro-batches together (every stage's runner holds
+the state of each).
 """
 
 from __future__ import annotations
@@ -173,14 +175,14 @@ class Scheduler:
         """Choose this step's batch. ``busy``: requests of steps still in flight (micro-batches,
         see the module doc), neither scheduled nor preempted by this step."""
         budget = self.config.max_num_batched_tokens
-        max_rows = self._max_rows_per_step()
+        max_running, max_rows = self._micro_batch_shares()
         scheduled: dict[Request, int] = {}
         preempted_any = False
         # After a failed step only the current group of suspects runs.
         allowed = self._suspects[0] if self._suspects else None
 
         index = 0
-        while index < len(self.running) and budget > 0 and len(scheduled) < max_rows:
+        while index < len(self.running) and budget > 0 and len(scheduled) < max_running:
             request = self.running[index]
             if (allowed is not None and request not in allowed) or request in busy:
                 index += 1
@@ -249,14 +251,17 @@ class Scheduler:
         self.stats.num_waiting = len(self.waiting)
         return plan
 
-    def _max_rows_per_step(self) -> int:
-        """The most requests one step schedules: all it may with one micro-batch; with M, an
-        M-th (rounded up) of the unfinished requests that may run at once."""
+    def _micro_batch_shares(self) -> tuple[int, int]:
+        """The most running requests one step schedules, and the most requests in all (the
+        admitted ones included): with one micro-batch, every one it may; with M, an M-th
+        (rounded up) of the running requests, and of the unfinished requests that may run at
+        once. (When the KV cache holds fewer requests than are unfinished, the running ones
+        still split over the micro-batches.)"""
         m = self.config.num_micro_batches
         if m == 1:
-            return self.config.max_num_seqs
+            return self.config.max_num_seqs, self.config.max_num_seqs
         unfinished = min(self.config.max_num_seqs, len(self.running) + len(self.waiting))
-        return max(1, -(-unfinished // m))
+        return -(-len(self.running) // m), max(1, -(-unfinished // m))
 
     def _plan_request(self, plan: StepPlan, request: Request) -> None:
         """Add what the runner needs to know of a scheduled request beyond its row's counts:
