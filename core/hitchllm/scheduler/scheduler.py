@@ -259,7 +259,7 @@ class Scheduler:
         still split over the micro-batches.)"""
         m = self.config.num_micro_batches
         if m == 1:
-            return self.config.max_num_seqs, self.config.max_num_seqs
+            return len(self.running), self.config.max_num_seqs
         unfinished = min(self.config.max_num_seqs, len(self.running) + len(self.waiting))
         return -(-len(self.running) // m), max(1, -(-unfinished // m))
 
