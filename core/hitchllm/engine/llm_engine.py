@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -111,6 +112,10 @@ class EngineStats:
     # requests that computed their prompt because their KV did not come.
     kv_transfer: KVTransferStats = field(default_factory=KVTransferStats)
     kv_load_fallbacks: int = 0
+    # The most steps (of at least one request) the engine has had in flight at once: up to
+    # pipeline_parallel_size with pipeline stages (micro-batches), else 1 or 2 (async
+    # scheduling launches a step before the previous one completes).
+    max_steps_in_flight: int = 0
 
 
 class LLMEngine:
@@ -207,6 +212,7 @@ class LLMEngine:
                 max_num_batched_tokens=max_num_tokens,
                 max_model_len=self.max_model_len,
                 policy=PreemptionPolicy(config.scheduling_policy),
+                num_micro_batches=config.pipeline_parallel_size,
             ),
             self.kv_cache,
             on_finish=None if self.proposer is None else self.proposer.remove_requests,
@@ -226,10 +232,14 @@ class LLMEngine:
         # Overlap: the launched step whose tokens are not folded in yet (see ``step``).
         # (On a CPU the step is done when launched; overlapping changes nothing but the order.)
         # Not with pipeline stages: the first stage needs each step's tokens on the host (the
-        # driver sends them with the next plan), so every step completes before the next.
+        # driver sends them with the next plan); they overlap micro-batches instead.
         self._overlap = (config.async_scheduling and self.proposer is None
                          and config.pipeline_parallel_size == 1)
-        self._in_flight: _Launched | None = None
+        # Pipeline stages: up to this many steps in flight, over disjoint requests.
+        self._micro_batches = config.pipeline_parallel_size
+        # Launched steps whose tokens are not folded in yet, oldest first.
+        self._in_flight: deque[_Launched] = deque()
+        self._max_steps_in_flight = 0
         self._consecutive_failures = 0
 
     def close(self) -> None:
@@ -548,7 +558,7 @@ class LLMEngine:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     # ---- the loop ----------------------------------------------------------------------
 
@@ -560,6 +570,11 @@ class LLMEngine:
         new one so that the device is never idle while the host schedules, prepares inputs
         and detokenizes. A request that stops is then computed one step too many; that
         token is dropped.
+
+        With pipeline stages (``pipeline_parallel_size=M``) up to M steps are in flight, each
+        over requests the others do not hold (micro-batches, ``_step_pipelined``): a call
+        launches a step of the requests that are free and returns the outputs of the oldest
+        step once M are in flight (or once nothing is free).
 
         A step that raises does not end the engine: its requests are run apart until the
         one that fails alone is found and finished with ``finish_reason="error"`` (see
@@ -578,23 +593,26 @@ class LLMEngine:
 
     def _step(self, outputs: list[RequestOutput], work: _StepWork) -> None:
         """One step; fills ``outputs`` as they complete and ``work`` with what is under way."""
+        if self._micro_batches > 1:
+            self._step_pipelined(outputs, work)
+            return
         plan = self.scheduler.schedule()
         requests = [self.scheduler.requests[rid] for rid in plan.request_ids]
-        if self._in_flight is not None and not self._may_overlap(requests):
+        if self._in_flight and not self._may_overlap(requests):
             outputs += self._complete_in_flight(work)
-        if plan.is_empty and self._in_flight is None and self.scheduler.has_unfinished_requests():
+        if plan.is_empty and not self._in_flight and self.scheduler.has_unfinished_requests():
             if not self._waits_for_kv():
                 raise RuntimeError("scheduler made no progress with unfinished requests queued")
             if not plan.has_kv_transfers:
                 time.sleep(KV_POLL_INTERVAL_S)  # nothing to run until KV arrives
         work.running = requests
-        launched = _Launched(plan, requests, self.executor.execute_model(plan))
+        launched = self._launch(plan, requests)
         work.launched = requests
-        if self._in_flight is not None:
+        if self._in_flight:
             outputs += self._complete_in_flight(work)
         work.running = requests
         if self._overlap and not plan.is_empty:
-            self._in_flight = launched
+            self._in_flight.append(launched)
         else:
             outputs += self._complete(launched)
         work.launched = []
@@ -603,9 +621,43 @@ class LLMEngine:
         transfers = self.scheduler.kv_transfer
         return transfers is not None and transfers.has_work()
 
+    def _step_pipelined(self, outputs: list[RequestOutput], work: _StepWork) -> None:
+        """One step with pipeline stages: launch a micro-batch of the requests no step in
+        flight holds (their tokens are known, so the driver can feed them to the earlier
+        stages), then complete the oldest steps while M are in flight, or while nothing was
+        free to launch (the oldest step's requests are free again once it completes)."""
+        busy = {r for launched in self._in_flight for r in launched.requests}
+        plan = self.scheduler.schedule(busy)
+        requests = [self.scheduler.requests[rid] for rid in plan.request_ids]
+        if plan.is_empty and not self._in_flight and self.scheduler.has_unfinished_requests():
+            raise RuntimeError("scheduler made no progress with unfinished requests queued")
+        work.running = requests
+        # An empty plan still tells the stages of finished and preempted requests; it queues
+        # behind the steps in flight (steps complete in launch order).
+        self._in_flight.append(self._launch(plan, requests))
+        work.running = []
+        waited = False  # for a step of requests (when nothing was free to launch)
+        while self._in_flight:
+            oldest = self._in_flight[0]
+            if not (oldest.plan.is_empty or self._num_in_flight() >= self._micro_batches
+                    or (plan.is_empty and not waited)):
+                break
+            outputs += self._complete_in_flight(work)
+            waited = waited or not oldest.plan.is_empty
+
+    def _launch(self, plan: StepPlan, requests: list[Request]) -> _Launched:
+        launched = _Launched(plan, requests, self.executor.execute_model(plan))
+        if not plan.is_empty:
+            self._max_steps_in_flight = max(self._max_steps_in_flight,
+                                            self._num_in_flight() + 1)
+        return launched
+
+    def _num_in_flight(self) -> int:
+        """Steps in flight that compute something (an empty plan only carries ids)."""
+        return sum(not launched.plan.is_empty for launched in self._in_flight)
+
     def _complete_in_flight(self, work: _StepWork) -> list[RequestOutput]:
-        assert self._in_flight is not None
-        in_flight, self._in_flight = self._in_flight, None
+        in_flight = self._in_flight.popleft()
         work.running = in_flight.requests
         return self._complete(in_flight)
 
@@ -613,9 +665,10 @@ class LLMEngine:
         """Contain a failed step (see ``step``); returns the outputs it still produced."""
         outputs: list[RequestOutput] = []
         suspects = list(work.running)
-        # Work launched before the failure and not part of it: the step in flight completes
-        # (its tokens are good); a step launched here is dropped, its requests recomputed.
-        if self._in_flight is not None:
+        # Work launched before the failure and not part of it: the steps in flight complete
+        # (their tokens are good); a step launched here and not queued is dropped, its
+        # requests recomputed.
+        while self._in_flight:
             try:
                 outputs += self._complete_in_flight(work)
             except Exception:
@@ -694,6 +747,7 @@ class LLMEngine:
             num_prompt_tokens_computed=s.stats.num_prompt_tokens_computed,
             kv_transfer=self.kv_transfer_stats,
             kv_load_fallbacks=0 if s.kv_transfer is None else s.kv_transfer.num_fallbacks,
+            max_steps_in_flight=self._max_steps_in_flight,
             **lora,
         )
 

@@ -12,16 +12,19 @@ Each step the driver pickles the ``StepPlan`` once (plain data: ids, token ids, 
 sampling parameters; no tensors) and writes the bytes to every worker's pipe. Every rank runs
 the step; rank 0 answers with its ``RunnerOutput`` (plain lists), every other rank with a
 digest of its sampled tokens, checked against rank 0's. The driver does not wait when it
-launches a step, so it schedules the next step while the workers compute this one; a worker
-answers a step once it has launched the next (its device is never idle while it prepares a
-step) or when the driver asks for the answer (``flush``: no next step is coming first).
+launches a step, so it schedules the next step while the workers compute this one; a CUDA
+worker answers a step once it has launched the next (its device is never idle while it
+prepares a step) or when the driver asks for the answer (``flush``: no next step is coming
+first); a CPU worker has computed a step when it launched it and answers at once.
 
 Pipeline stages: only the last stage samples; its tensor-parallel rank 0 answers, its other
-ranks send digests and the earlier stages answer None. The earlier stages need each step's
-tokens before the next step (they embed them, or keep them as their request states), so the
-driver reads every step's answer before it launches the next and sends those tokens with the
-next plan (``fed_tokens``): one step in flight at a time (docs/distributed.md says what stage
-overlap still needs).
+ranks send digests and the earlier stages answer None. The earlier stages need a request's
+tokens before it runs again (they embed them, or keep them as their request states): the
+driver sends every token it has read with the next plan (``fed_tokens``). Several steps may be
+in flight (the engine's micro-batches: stage 0 computes step n+1 while stage 1 computes step
+n), as long as they hold disjoint requests: a plan that schedules a request of a step whose
+answer has not been read is refused (``ValueError``), as the earlier stages could not know
+its input token. Each rank runs the plans in the order sent and answers them in that order.
 
 Failures: while it waits for answers the driver also watches every worker's process: a worker
 that exits is reported by rank at once, and ranks that do not answer within
@@ -117,6 +120,10 @@ class MultiprocExecutor(WorkerGroupExecutor):
         self._answering = next(r for r, rank in enumerate(self._ranks) if rank.answers)
         # Tokens the last stage sampled that the earlier stages have not been sent yet.
         self._unfed: dict[str, list[int]] = {}
+        # With pipeline stages: the request ids of each step whose answer was not read yet.
+        self._unread_ids: dict[int, list[str]] = {}
+        # The most steps sent to the workers at once whose answers the driver had not read.
+        self.max_unread_steps = 0
         self.step_timeout_s = config.worker_step_timeout_s
         self._launched = 0  # steps sent to the workers
         self._flushed = False  # whether the workers were asked to answer the last one
@@ -277,14 +284,25 @@ class MultiprocExecutor(WorkerGroupExecutor):
         self.check_plain(step)
         fed: dict[str, list[int]] = {}
         if self.pp_size > 1:
-            # The earlier stages learn the tokens of every step before the next one.
-            if self._collected < self._launched:
-                self._step_output(self._launched - 1)
+            self._check_disjoint(step)
             fed, self._unfed = self._unfed, {}
+            self._unread_ids[self._launched] = step.request_ids
         self._send("execute_model", step, fed)
         self._launched += 1
+        self.max_unread_steps = max(self.max_unread_steps, self._launched - self._collected)
         self._flushed = False
         return LazyStepOutput(self._step_output, self._launched - 1)
+
+    def _check_disjoint(self, step: StepPlan) -> None:
+        """Pipeline stages: refuse a plan with a request of a step still in flight."""
+        unread = {rid for ids in self._unread_ids.values() for rid in ids}
+        clash = [rid for rid in step.request_ids if rid in unread]
+        if clash:
+            raise ValueError(
+                f"request(s) {clash[:5]} are scheduled while a step in flight still computes "
+                "them; with pipeline stages the earlier stages need a request's tokens before "
+                "it runs again: read that step's output first (steps in flight must hold "
+                "disjoint requests)")
 
     def _step_output(self, index: int) -> RunnerOutput:
         """Step ``index``'s output; reads the answers of earlier steps first (those not asked
@@ -296,6 +314,7 @@ class MultiprocExecutor(WorkerGroupExecutor):
         while self._collected <= index:
             step = self._collected
             self._collected += 1  # read even when it raises: the next answers are the next step's
+            self._unread_ids.pop(step, None)
             answers = self._receive(f"step {step}", self.step_timeout_s)
             output: RunnerOutput = answers[self._answering]
             digest = output_digest(output)

@@ -79,10 +79,13 @@ def worker_main(
 
 
 def serve(worker: Worker, conn: Connection, calls_taken: MutableSequence[int]) -> None:
-    """Answer the driver's calls in order. A step is answered once the next step has been
-    launched (so the device computes one step while this process prepares the next, as under
-    async scheduling in one process) or when the driver asks for it (``flush``)."""
+    """Answer the driver's calls in order. On CUDA a step is answered once the next step has
+    been launched (so the device computes one step while this process prepares the next, as
+    under async scheduling in one process) or when the driver asks for it (``flush``). On the
+    CPU a launched step is already computed: it is answered at once (with pipeline stages the
+    driver needs a step's tokens while the stages compute later steps)."""
     in_flight: PendingOutput | None = None
+    answer_at_once = worker.device.type != "cuda"
 
     def answer_in_flight() -> None:
         nonlocal in_flight
@@ -105,6 +108,8 @@ def serve(worker: Worker, conn: Connection, calls_taken: MutableSequence[int]) -
                 continue
             answer_in_flight()
             in_flight = launched
+            if answer_at_once:
+                answer_in_flight()
             continue
         answer_in_flight()
         if method == "flush":

@@ -29,12 +29,25 @@ When a step fails, the engine hands its requests to ``quarantine``: they are pre
 apart, half of them at a time, until each has sampled once on its own or has failed alone
 (bisection: a request that breaks every batch it is in is found in about log2(batch) steps).
 While a group of suspects is out, steps schedule only that group's requests.
+
+Micro-batches (pipeline parallelism, ``SchedulerConfig.num_micro_batches`` = M > 1): the
+engine keeps up to M steps in flight, each over its own requests, so that the pipeline stages
+work on different steps at once. ``schedule(busy=...)`` then skips the requests of the steps
+in flight (their next token is not known yet) and never preempts them (their step is still
+writing into their blocks). Each step takes what is free, within these limits: the token
+budget ``max_num_batched_tokens`` is each step's own (it bounds one forward on every stage);
+one step schedules at most ``ceil(running / M)`` of the running requests and at most
+``ceil(min(max_num_seqs, unfinished requests) / M)`` requests in all, so that the requests
+spread over M micro-batches instead of the first step taking them all and the others finding
+nothing free (also when the KV cache holds fewer requests than are waiting). ``max_num_seqs``
+still bounds the running requests of all micro-batches together (every stage's runner holds
+the state of each).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 from hitchllm.kv_cache.manager import KVCacheManager
@@ -55,6 +68,13 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     policy: PreemptionPolicy = PreemptionPolicy.FCFS
+    # Steps the engine keeps in flight at once over disjoint requests (pipeline stages).
+    num_micro_batches: int = 1
+
+    def __post_init__(self) -> None:
+        if self.num_micro_batches < 1:
+            raise ValueError(f"num_micro_batches={self.num_micro_batches} must be at least 1 "
+                             "(the number of pipeline stages)")
 
 
 @dataclass
@@ -173,9 +193,11 @@ class Scheduler:
 
     # ---- one step ----------------------------------------------------------------------
 
-    def schedule(self) -> StepPlan:
-        """Choose this step's batch."""
+    def schedule(self, busy: Collection[Request] = ()) -> StepPlan:
+        """Choose this step's batch. ``busy``: requests of steps still in flight (micro-batches,
+        see the module doc), neither scheduled nor preempted by this step."""
         budget = self.config.max_num_batched_tokens
+        max_running, max_rows = self._micro_batch_shares()
         scheduled: dict[Request, int] = {}
         preempted_any = False
         # After a failed step only the current group of suspects runs.
@@ -185,9 +207,9 @@ class Scheduler:
                 self.config.policy.enqueue(self.waiting, request, front=True)
 
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and budget > 0 and len(scheduled) < max_running:
             request = self.running[index]
-            if allowed is not None and request not in allowed:
+            if (allowed is not None and request not in allowed) or request in busy:
                 index += 1
                 continue
             num_new = self._num_tokens_to_compute(request, budget)
@@ -200,7 +222,8 @@ class Scheduler:
             while not self.kv_cache.allocate_slots(request, num_new):
                 # Only requests not yet scheduled this step may be preempted: blocks of a
                 # scheduled one may already be shared with (and relied on by) this step.
-                victim = self.config.policy.pick_victim(self.running[index:])
+                victim = self.config.policy.pick_victim(
+                    [r for r in self.running[index:] if r not in busy])
                 self._preempt(victim)
                 preempted_any = True
                 if victim is request:
@@ -212,7 +235,8 @@ class Scheduler:
 
         # Admitting new work right after a preemption would only thrash the cache.
         for request in [] if preempted_any else self._admission_candidates(allowed):
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if (budget <= 0 or len(self.running) >= self.config.max_num_seqs
+                    or len(scheduled) >= max_rows):
                 break
             if not all(gate.may_admit(request) for gate in self.gates):
                 continue  # it keeps its place; the requests behind it may go first
@@ -228,7 +252,7 @@ class Scheduler:
             else:  # every prompt position needs its logits: no prefix-cache hit
                 hit_blocks, num_hit = [], 0
             num_new = min(request.num_tokens - num_hit, budget)
-            if not self._allocate_for_admission(request, num_new, hit_blocks, allowed):
+            if not self._allocate_for_admission(request, num_new, hit_blocks, allowed, busy):
                 break
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
@@ -264,6 +288,18 @@ class Scheduler:
         self.stats.num_waiting = len(self.waiting)
         return plan
 
+    def _micro_batch_shares(self) -> tuple[int, int]:
+        """The most running requests one step schedules, and the most requests in all (the
+        admitted ones included): with one micro-batch, every one it may; with M, an M-th
+        (rounded up) of the running requests, and of the unfinished requests that may run at
+        once. (When the KV cache holds fewer requests than are unfinished, the running ones
+        still split over the micro-batches.)"""
+        m = self.config.num_micro_batches
+        if m == 1:
+            return len(self.running), self.config.max_num_seqs
+        unfinished = min(self.config.max_num_seqs, len(self.running) + len(self.waiting))
+        return -(-len(self.running) // m), max(1, -(-unfinished // m))
+
     def _plan_request(self, plan: StepPlan, request: Request) -> None:
         """Add what the runner needs to know of a scheduled request beyond its row's counts:
         its data when it is new to the runner, its new blocks, its drafts (copies: the
@@ -291,12 +327,15 @@ class Scheduler:
         return [r for r in self.waiting if r in allowed]
 
     def _allocate_for_admission(
-        self, request: Request, num_new: int, hit_blocks: list, allowed: set[Request] | None
+        self, request: Request, num_new: int, hit_blocks: list, allowed: set[Request] | None,
+        busy: Collection[Request],
     ) -> bool:
         """Allocate an admitted request's slots. While suspects run apart, requests outside
-        the group do not run, so they give way (are preempted) when blocks run out."""
+        the group (and outside steps in flight) do not run, so they give way (are preempted)
+        when blocks run out."""
         while not self.kv_cache.allocate_slots(request, num_new, hit_blocks):
-            idle = [r for r in self.running if allowed is not None and r not in allowed]
+            idle = [r for r in self.running
+                    if allowed is not None and r not in allowed and r not in busy]
             if not idle:
                 return False
             self._preempt(self.config.policy.pick_victim(idle))
