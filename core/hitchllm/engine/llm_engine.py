@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -37,6 +38,7 @@ from hitchllm.plugins import get_plugin_registry
 from hitchllm.request import Request, RequestStatus
 from hitchllm.sampling_params import SamplingParams
 from hitchllm.scheduler.policy import PreemptionPolicy
+from hitchllm.scheduler.preemption import PreemptionMode, SwapCostModel
 from hitchllm.scheduler.scheduler import Scheduler, SchedulerConfig
 from hitchllm.scheduler.step_plan import StepPlan
 from hitchllm.speculative import Proposer
@@ -68,6 +70,7 @@ class _Launched:
     plan: StepPlan
     requests: list[Request]
     output: RunnerOutputFuture
+    launched_at: float = field(default_factory=time.perf_counter)
 
 
 @dataclass
@@ -99,6 +102,14 @@ class EngineStats:
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
     lora: LoRACounters = field(default_factory=LoRACounters)
+    # Swap preemption (all 0 with preemption_mode=recompute): requests swapped out and back
+    # in, preemptions recomputed because the host pool was full, and the host pool's blocks
+    # (per worker) held by swapped-out requests and in all.
+    num_swap_outs: int = 0
+    num_swap_ins: int = 0
+    num_swap_fallbacks: int = 0
+    host_blocks_used: int = 0
+    num_host_blocks: int = 0
 
 
 class LLMEngine:
@@ -185,7 +196,7 @@ class LLMEngine:
             raise
         self.kv_cache = KVCacheManager(
             self.num_kv_blocks, config.block_size, config.enable_prefix_caching,
-            extra_keys_fn=self._block_hash_extra_keys,
+            extra_keys_fn=self._block_hash_extra_keys, num_host_blocks=self.num_host_blocks,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -193,11 +204,13 @@ class LLMEngine:
                 max_num_batched_tokens=max_num_tokens,
                 max_model_len=self.max_model_len,
                 policy=PreemptionPolicy(config.scheduling_policy),
+                preemption_mode=PreemptionMode(config.preemption_mode),
             ),
             self.kv_cache,
             on_finish=None if self.proposer is None else self.proposer.remove_requests,
             gates=[gate for result in self.registry.hook.hitchllm_admission_gates(
                 engine_config=config) for gate in result or []],
+            swap_cost=SwapCostModel(swap_seconds_per_block=self._swap_seconds_per_block),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.vocab_size = mc.vocab_size
@@ -232,7 +245,9 @@ class LLMEngine:
         """Size the KV cache, allocate it on every runner and capture the CUDA graphs."""
         config = self.config
         self.num_kv_blocks = self._num_kv_blocks()
-        self.executor.initialize_kv_cache(self.num_kv_blocks)
+        self.num_host_blocks = self._num_host_blocks()
+        self._swap_seconds_per_block = self.executor.initialize_kv_cache(
+            self.num_kv_blocks, self.num_host_blocks)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d, so at most %.2f "
             "requests of full length at once; device %s, %s, KV cache %s",
@@ -241,6 +256,10 @@ class LLMEngine:
             str(self.dtype).removeprefix("torch."),
             str(self.kv_cache_dtype).removeprefix("torch."),
         )
+        if self.num_host_blocks:
+            logger.info("Swap space: %d host blocks (%.2f GiB per worker); a block's round "
+                        "trip to host memory measured %.1f us", self.num_host_blocks,
+                        config.swap_space, 1e6 * (self._swap_seconds_per_block or 0.0))
         if not config.enforce_eager:
             self.executor.capture_cuda_graphs()
 
@@ -303,6 +322,21 @@ class LLMEngine:
                 "gpu_memory_utilization (CUDA) or kv_cache_memory"
             )
         return int(num_blocks)
+
+    def _num_host_blocks(self) -> int:
+        """Blocks of the host pool for swap preemption: ``swap_space`` GiB per worker over a
+        block's bytes on one worker (0 with preemption_mode=recompute)."""
+        cfg = self.config
+        if cfg.preemption_mode == "recompute":
+            return 0
+        per_block = bytes_per_shared_block(self.executor.kv_cache_specs)
+        num_blocks = int(cfg.swap_space * 2**30) // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"swap_space={cfg.swap_space} GiB holds no KV block (one block takes "
+                f"{per_block} bytes per worker); raise swap_space or use "
+                "preemption_mode=recompute")
+        return num_blocks
 
     def _build_proposer(self, model: torch.nn.Module) -> Proposer | None:
         name = self.config.speculative_method
@@ -600,6 +634,8 @@ class LLMEngine:
     def _complete(self, launched: _Launched) -> list[RequestOutput]:
         """Wait for a launched step's tokens and fold them into requests and outputs."""
         result = launched.output.result()
+        self.scheduler.swap_cost.observe_step(launched.plan.total_num_scheduled_tokens,
+                                              time.perf_counter() - launched.launched_at)
         updated = self.scheduler.update_from_output(
             launched.plan, launched.requests, result.sampled)
         outputs, stopped = self.output_processor.process(
@@ -629,6 +665,11 @@ class LLMEngine:
             spec_decode_num_drafts=s.stats.num_spec_drafts,
             spec_decode_num_draft_tokens=s.stats.num_spec_draft_tokens,
             spec_decode_num_accepted_tokens=s.stats.num_spec_accepted_tokens,
+            num_swap_outs=s.stats.num_swap_outs,
+            num_swap_ins=s.stats.num_swap_ins,
+            num_swap_fallbacks=s.stats.num_swap_fallbacks,
+            host_blocks_used=self.kv_cache.num_host_blocks - self.kv_cache.num_free_host_blocks,
+            num_host_blocks=self.kv_cache.num_host_blocks,
             **lora,
         )
 

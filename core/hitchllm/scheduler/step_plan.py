@@ -62,6 +62,12 @@ class StepPlan:
     # Copy-on-write: (source, destination) KV block ids to copy in every layer's cache, in
     # order, before this step's forward (a forked beam's first write into a shared block).
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Swap preemption: (device block, host block) pairs to copy out to the host pool, then
+    # (host block, device block) pairs to copy back in, in every layer's cache, before this
+    # step's forward reads or writes the device blocks (the device blocks swapped out are
+    # already free in the scheduler and may be reused by this very step).
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

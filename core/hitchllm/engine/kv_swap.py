@@ -1,0 +1,124 @@
+"""The host half of swap preemption on one rank: a host copy of every layer's KV cache with
+``num_host_blocks`` blocks (pinned memory on CUDA, a second CPU tensor on the CPU), and the
+block copies between it and the device caches that a step plan asks for.
+
+Each host tensor has its layer's device layout with fewer blocks, so a block is the same
+slices on both sides whatever the backend's layout (block dimension 0, 1 or 2; an MLA latent
+cache; an fp8 cache, copied as bytes). The tensor is cut into pieces along the dimensions
+before the block dimension (K and V, or each KV head), in each of which a run of consecutive
+blocks is one contiguous range: a run of pairs whose source and destination ids both ascend
+by one costs one copy per piece.
+
+On CUDA the copies run on a side stream, after the work already queued on the compute stream
+(the previous step wrote the blocks being swapped out). The forward waits for them only when
+it needs them: at once when the step swaps blocks in or reuses a block it swapped out, else
+before the next step's work (which may reuse them).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+
+import torch
+
+from hitchllm.attention.backend import AttentionBackend
+from hitchllm.attention.kv_cache_spec import KVCacheSpec
+
+
+def _pieces(cache: torch.Tensor, dim: int) -> list[torch.Tensor]:
+    """Views of ``cache`` with the block dimension first, one per index of the dimensions
+    before it; each is contiguous when ``cache`` is."""
+    raw = cache.view(torch.uint8) if cache.element_size() == 1 else cache
+    return [raw[index] for index in itertools.product(*map(range, raw.shape[:dim]))]
+
+
+def _runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """``(src, dst, n)`` runs of ``pairs`` sorted by source: ``n`` blocks from ``src`` to
+    ``dst`` on. (Within one list no destination is also a source: they live in different
+    pools, so the order of the copies does not matter.)"""
+    runs: list[list[int]] = []
+    for src, dst in sorted(pairs):
+        if runs and src == runs[-1][0] + runs[-1][2] and dst == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([src, dst, 1])
+    return [(s, d, n) for s, d, n in runs]
+
+
+class HostKVCache:
+    """Every layer's host pool and the swaps between it and the device caches."""
+
+    def __init__(self, backend: type[AttentionBackend], specs: Sequence[KVCacheSpec],
+                 device_caches: Sequence[torch.Tensor], block_dims: Sequence[int],
+                 num_host_blocks: int, device: torch.device) -> None:
+        self.device = device
+        self.num_blocks = num_host_blocks
+        pin = device.type == "cuda"
+        self.host_caches = [
+            torch.zeros(backend.get_kv_cache_shape_for_spec(num_host_blocks, spec),
+                        dtype=spec.dtype, pin_memory=pin)
+            for spec in specs
+        ]
+        self._device_pieces = [p for cache, dim in zip(device_caches, block_dims, strict=True)
+                               for p in _pieces(cache, dim)]
+        self._host_pieces = [p for cache, dim in zip(self.host_caches, block_dims, strict=True)
+                             for p in _pieces(cache, dim)]
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # Swap-outs of the last step that the compute stream has not waited for yet.
+        self._unwaited: torch.cuda.Event | None = None
+
+    def swap(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]],
+             written: set[int]) -> None:
+        """Copy ``swap_out`` (device -> host) then ``swap_in`` (host -> device) blocks.
+        ``written``: the device blocks this step writes or reads anew (its new blocks and
+        copy-on-write destinations); the forward waits for the swap-outs when they reuse one."""
+        if self.stream is None:
+            self._copy(swap_out, swap_in)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        if self._unwaited is not None:
+            # The last step's swapped-out blocks may be written from this step on.
+            compute.wait_event(self._unwaited)
+            self._unwaited = None
+        if not swap_out and not swap_in:
+            return
+        self.stream.wait_stream(compute)
+        with torch.cuda.stream(self.stream):
+            self._copy(swap_out, swap_in)
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        if swap_in or any(src in written for src, _ in swap_out):
+            compute.wait_event(done)
+        else:
+            self._unwaited = done
+
+    def _copy(self, swap_out: Sequence[tuple[int, int]],
+              swap_in: Sequence[tuple[int, int]]) -> None:
+        blocking = self.stream is None
+        for src, dst, n in _runs(swap_out):
+            for dev, host in zip(self._device_pieces, self._host_pieces):
+                host[dst:dst + n].copy_(dev[src:src + n], non_blocking=not blocking)
+        for src, dst, n in _runs(swap_in):
+            for dev, host in zip(self._device_pieces, self._host_pieces):
+                dev[dst:dst + n].copy_(host[src:src + n], non_blocking=not blocking)
+
+    def measure_seconds_per_block(self, num_device_blocks: int) -> float:
+        """Seconds to swap one block out and back in, timed over up to 64 blocks (after a
+        warm-up round); the blocks' contents are unchanged."""
+        n = min(64, self.num_blocks, num_device_blocks)
+        pairs = [(i, i) for i in range(n)]
+        elapsed = 0.0
+        for _ in range(2):
+            self._sync()
+            start = time.perf_counter()
+            self.swap(pairs, [], set())
+            self.swap([], pairs, set())
+            self._sync()
+            elapsed = time.perf_counter() - start
+        return elapsed / n
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
