@@ -84,7 +84,10 @@ class HostSwapSpace:
         pool has too few free blocks."""
         if request_id in self._swapped:
             raise ValueError(f"request {request_id} is already swapped out")
-        if self.num_blocks_to_copy(blocks) > self.pool.num_free_blocks:
+        # A hit on a free cached host block takes it out of the free blocks too.
+        needed = sum(1 for b in blocks if b.ref_cnt == 1
+                     and ((hit := self._host_hit(b)) is None or hit.ref_cnt == 0))
+        if needed > self.pool.num_free_blocks:
             return False
         entries = [SwappedBlock(device=b) if b.ref_cnt > 1 else SwappedBlock()
                    for b in blocks]
