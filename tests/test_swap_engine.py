@@ -156,11 +156,13 @@ def test_swap_with_beams_sharing_blocks(case):
     params = BeamSearchParams(beam_width=3, max_tokens=12, ignore_eos=True)
     beam_prompts = [{"prompt_token_ids": p} for p in prompts[3:5]]
     want = LLM(path, block_size=4).beam_search(beam_prompts, params)
-    llm = LLM(path, **dict(SWAP, num_kv_blocks=16))
+    llm = LLM(path, **dict(SWAP, num_kv_blocks=12))
     got = llm.beam_search(beam_prompts, params)
     assert [[s.tokens for s in o.sequences] for o in got] == \
         [[s.tokens for s in o.sequences] for o in want]
-    assert llm.engine.stats().num_preemptions > 0
+    # Beams are swapped out, and some end (the search drops them) while swapped out.
+    stats = llm.engine.stats()
+    assert stats.num_swap_outs > stats.num_swap_ins > 0
     assert_pools_whole(llm)
 
 
