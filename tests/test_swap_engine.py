@@ -12,6 +12,7 @@ from test_models_hf_parity import mixed_prompts
 from hitchllm import LLM, EngineConfig, SamplingParams
 from hitchllm.attention import bytes_per_shared_block
 from hitchllm.entrypoints.cli import build_parser, engine_kwargs
+from hitchllm.entrypoints.openai.metrics import ServerMetrics
 from hitchllm.request import RequestStatus
 
 ARCH = "Qwen3ForCausalLM"
@@ -60,6 +61,12 @@ def test_swap_preemption_keeps_greedy_tokens(case, caching, async_scheduling):
     assert stats.num_swap_ins == stats.num_swap_outs
     assert stats.num_swap_fallbacks == 0
     assert_pools_whole(llm)
+    # /metrics exports the counts.
+    metrics = ServerMetrics("tiny")
+    metrics.observe(llm.engine, [], 0.0)
+    text = metrics.render().decode()
+    assert f'hitchllm:num_swap_outs_total{{model_name="tiny"}} {stats.num_swap_outs}.0' in text
+    assert 'hitchllm:host_kv_cache_blocks_used{model_name="tiny"} 0.0' in text
 
 
 def test_swap_run_matches_transformers(case):
