@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> list[ModeRun]:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-fraction", type=float, default=0.25,
                         help="KV cache size as a fraction of all requests' full-length need")
-    parser.add_argument("--num-kv-blocks", type=int, help="exact KV blocks (overrides the fraction)")
+    parser.add_argument("--num-kv-blocks", type=int,
+                        help="exact KV blocks (overrides the fraction)")
     parser.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--results", type=Path, help="append the table to this Markdown file")

@@ -210,3 +210,32 @@ def test_a_swapped_request_is_waiting_with_its_tokens_computed(case):
                 assert engine.kv_cache.get_block_ids(request.request_id) == []
     assert seen
     assert engine.stats().host_blocks_used > 0
+
+
+def test_a_failing_request_under_swap_leaves_the_others_and_the_pools_whole(case, monkeypatch):
+    """A failed step's swap-out copies may not have happened: the requests swapped out then
+    are recomputed, the failing request ends with an error, the others match the clean run."""
+    path, prompts, expected = case
+    llm = LLM(path, **SWAP)
+    engine = llm.engine
+    ids = [engine.add_request({"prompt_token_ids": p}, greedy(), request_id=f"r{i}")
+           for i, p in enumerate(prompts)]
+    while not engine.stats().num_swap_outs:
+        engine.step()
+    original = engine.executor.runner._generator_for
+
+    def generator_for(request):
+        if request.request_id == "r5":
+            raise RuntimeError("injected failure")
+        return original(request)
+
+    monkeypatch.setattr(engine.executor.runner, "_generator_for", generator_for)
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert finished["r5"].outputs[0].finish_reason == "error"
+    for i, rid in enumerate(ids[:5]):
+        assert finished[rid].outputs[0].token_ids == expected[i]
+    assert_pools_whole(llm)

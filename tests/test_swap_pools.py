@@ -193,3 +193,15 @@ def test_a_cached_block_is_swapped_out_once():
     entries = model.kv.host.entries(request.request_id)
     assert [h for _, h in out] == [entries[2].host.block_id]
     assert model.kv.num_free_host_blocks == HOST_BLOCKS - 3
+
+
+def test_resetting_the_prefix_cache_forgets_host_hashes_too():
+    model = Model(caching=True)
+    model.op("add", 0, 4)
+    request = model.running.pop()
+    assert model.kv.swap_out(request)
+    assert not model.kv.reset_prefix_cache()  # a swapped-out request holds host blocks
+    model.kv.free(request)
+    assert any(b.block_hash is not None for b in model.kv.host.pool.blocks)
+    assert model.kv.reset_prefix_cache()
+    assert all(b.block_hash is None for b in model.kv.host.pool.blocks)

@@ -307,5 +307,10 @@ class KVCacheManager:
         return self._block_ids.get(request_id, [])
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block hash; only succeeds while no request holds a block."""
-        return self.block_pool.reset_prefix_cache()
+        """Forget every cached block hash, in the host pool too (its blocks would otherwise
+        stand in for content computed anew); only succeeds while no request holds a block."""
+        host = self.host.pool if self.host is not None else None
+        if host is not None and host.num_free_blocks != host.num_blocks:
+            return False
+        return self.block_pool.reset_prefix_cache() and (
+            host is None or host.reset_prefix_cache())

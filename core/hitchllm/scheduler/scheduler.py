@@ -342,9 +342,8 @@ class Scheduler:
             # Their K/V may come from the failed step: never swapped, always recomputed.
             if request.status == RequestStatus.RUNNING:
                 self._preempt(request, may_swap=False)
-            elif self.kv_cache.is_swapped(request.request_id):
-                self.kv_cache.free(request)
-                request.num_computed_tokens = 0
+        # The failed step may not have made its swap-out copies: no host copy is trusted.
+        self._recompute_swapped()
         for request in live:
             self._clear_suspect(request)
         half = (len(live) + 1) // 2
