@@ -76,6 +76,35 @@ def test_swaps_on_the_side_stream_round_trip(name, dtype):
     _round_trip(BACKENDS[name], dtype, torch.device("cuda"))
 
 
-def test_runs_merge_consecutive_pairs():
-    assert _runs([(5, 1), (1, 3), (2, 4), (3, 5), (7, 0)]) == [(1, 3, 3), (5, 1, 1), (7, 0, 1)]
+def test_runs_of_consecutive_host_blocks():
+    assert _runs([0, 3, 4, 5, 7]) == [(0, 0, 1), (3, 1, 3), (7, 4, 1)]
     assert _runs([]) == []
+
+
+@pytest.mark.gpu
+def test_cuda_swaps_never_sync_and_wait_only_when_needed():
+    """The copies are queued on the side stream without a host sync; a swap-out whose blocks
+    this step does not write is left for the next step to wait on, one it reuses (or any
+    swap-in) is waited on at once."""
+    backend = BACKENDS["TORCH"]
+    spec = _spec(backend)
+    dim = block_dim(backend, spec)
+    device = torch.device("cuda")
+    cache = torch.randn(backend.get_kv_cache_shape_for_spec(NUM_BLOCKS, spec), device=device)
+    host = HostKVCache(backend, [spec], [cache], [dim], NUM_HOST_BLOCKS, device)
+    assert host.host_caches[0].is_pinned()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        host.swap([(1, 0)], [], written={4})
+        assert host._unwaited is not None  # overlaps this step's forward
+        host.swap([], [], written=set())  # the next step waits for it
+        assert host._unwaited is None
+        host.swap([(2, 1)], [], written={2})
+        assert host._unwaited is None  # reused at once: waited on
+        host.swap([], [(0, 3)], written=set())
+        assert host._unwaited is None
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert torch.equal(cache.select(dim, 3), cache.select(dim, 1))

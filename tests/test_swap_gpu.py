@@ -20,13 +20,14 @@ def generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("backend", ["TORCH", "TRITON_ATTN", "FLASH_ATTN"])
+# float32 (as the other CUDA preemption tests): bfloat16 GEMMs may round differently in the
+# different batches a preempted run forms, which would flip greedy ties for another reason.
+@pytest.mark.parametrize("backend", ["TORCH", "TRITON_ATTN"])
 @pytest.mark.parametrize("eager,async_scheduling", [(False, True), (True, False)])
 def test_cuda_swap_keeps_greedy_tokens(tiny_models, backend, eager, async_scheduling):
     path = tiny_models["Qwen3ForCausalLM"]
     prompts = mixed_prompts(3)
-    common = dict(device="cuda", dtype="float32" if backend == "TORCH" else "bfloat16",
-                  attention_backend=backend, enforce_eager=eager,
+    common = dict(device="cuda", dtype="float32", attention_backend=backend, enforce_eager=eager,
                   async_scheduling=async_scheduling)
     try:
         expected = generate(LLM(path, block_size=4, **common), prompts)

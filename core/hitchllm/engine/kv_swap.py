@@ -5,9 +5,10 @@ block copies between it and the device caches that a step plan asks for.
 Each host tensor has its layer's device layout with fewer blocks, so a block is the same
 slices on both sides whatever the backend's layout (block dimension 0, 1 or 2; an MLA latent
 cache; an fp8 cache, copied as bytes). The tensor is cut into pieces along the dimensions
-before the block dimension (K and V, or each KV head), in each of which a run of consecutive
-blocks is one contiguous range: a run of pairs whose source and destination ids both ascend
-by one costs one copy per piece.
+before the block dimension (K and V, or each KV head), in each of which a block is one
+contiguous range. On CUDA the device side of a swap is one gather (or scatter) kernel per
+piece into a contiguous staging tensor, and the host side one copy per run of consecutive
+host blocks.
 
 On CUDA the copies run on a side stream, after the work already queued on the compute stream
 (the previous step wrote the blocks being swapped out). The forward waits for them only when
@@ -34,17 +35,16 @@ def _pieces(cache: torch.Tensor, dim: int) -> list[torch.Tensor]:
     return [raw[index] for index in itertools.product(*map(range, raw.shape[:dim]))]
 
 
-def _runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """``(src, dst, n)`` runs of ``pairs`` sorted by source: ``n`` blocks from ``src`` to
-    ``dst`` on. (Within one list no destination is also a source: they live in different
-    pools, so the order of the copies does not matter.)"""
+def _runs(ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(first id, index, n)`` for each run of consecutive ids in ``ids`` (sorted): ``n``
+    blocks from ``first id`` on, at ``index`` in ``ids``."""
     runs: list[list[int]] = []
-    for src, dst in sorted(pairs):
-        if runs and src == runs[-1][0] + runs[-1][2] and dst == runs[-1][1] + runs[-1][2]:
+    for index, block in enumerate(ids):
+        if runs and block == runs[-1][0] + runs[-1][2]:
             runs[-1][2] += 1
         else:
-            runs.append([src, dst, 1])
-    return [(s, d, n) for s, d, n in runs]
+            runs.append([block, index, 1])
+    return [(b, i, n) for b, i, n in runs]
 
 
 class HostKVCache:
@@ -96,13 +96,45 @@ class HostKVCache:
 
     def _copy(self, swap_out: Sequence[tuple[int, int]],
               swap_in: Sequence[tuple[int, int]]) -> None:
-        blocking = self.stream is None
-        for src, dst, n in _runs(swap_out):
+        """Per piece of every layer: on the CPU one gather and one scatter; on CUDA one gather
+        (or scatter) kernel on the device side, and one copy per run of consecutive host
+        blocks, pairs sorted by host block (freed host blocks come back in runs)."""
+        cuda = self.stream is not None
+        if swap_out:
+            pairs = sorted(swap_out, key=lambda p: p[1])
+            src = self._index([d for d, _ in pairs], self.device)
+            dst = [h for _, h in pairs]
+            runs = _runs(dst)
+            host_dst = None if cuda else self._index(dst, self.device)
             for dev, host in zip(self._device_pieces, self._host_pieces):
-                host[dst:dst + n].copy_(dev[src:src + n], non_blocking=not blocking)
-        for src, dst, n in _runs(swap_in):
+                staged = dev.index_select(0, src)
+                if host_dst is not None:
+                    host.index_copy_(0, host_dst, staged)
+                    continue
+                for block, i, n in runs:
+                    host[block:block + n].copy_(staged[i:i + n], non_blocking=True)
+        if swap_in:
+            pairs = sorted(swap_in)
+            src = [h for h, _ in pairs]
+            dst = self._index([d for _, d in pairs], self.device)
+            runs = _runs(src)
+            host_src = None if cuda else self._index(src, self.device)
             for dev, host in zip(self._device_pieces, self._host_pieces):
-                dev[dst:dst + n].copy_(host[src:src + n], non_blocking=not blocking)
+                if host_src is not None:
+                    dev.index_copy_(0, dst, host.index_select(0, host_src))
+                    continue
+                staged = torch.empty((len(pairs), *dev.shape[1:]), dtype=dev.dtype,
+                                     device=self.device)
+                for block, i, n in runs:
+                    staged[i:i + n].copy_(host[block:block + n], non_blocking=True)
+                dev.index_copy_(0, dst, staged)
+
+    @staticmethod
+    def _index(ids: list[int], device: torch.device) -> torch.Tensor:
+        index = torch.tensor(ids, dtype=torch.int64)
+        if device.type != "cuda":
+            return index
+        return index.pin_memory().to(device, non_blocking=True)
 
     def measure_seconds_per_block(self, num_device_blocks: int) -> float:
         """Seconds to swap one block out and back in, timed over up to 64 blocks (after a
