@@ -294,7 +294,8 @@ class Scheduler:
             idle = [r for r in self.running if allowed is not None and r not in allowed]
             if not idle:
                 return None
-            self._preempt(self.config.policy.pick_victim(idle))
+            # Recomputed, never swapped: a plan's swap-outs all come before its swap-ins.
+            self._preempt(self.config.policy.pick_victim(idle), may_swap=False)
         self.stats.num_swap_ins += 1
         self._start_running(request)
         return num_new
@@ -324,7 +325,8 @@ class Scheduler:
             idle = [r for r in self.running if allowed is not None and r not in allowed]
             if not idle:
                 return False
-            self._preempt(self.config.policy.pick_victim(idle))
+            # Recomputed, never swapped: a plan's swap-outs all come before its swap-ins.
+            self._preempt(self.config.policy.pick_victim(idle), may_swap=False)
         return True
 
     # ---- isolating a failing request ---------------------------------------------------

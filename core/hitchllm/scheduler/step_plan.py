@@ -65,7 +65,9 @@ class StepPlan:
     # Swap preemption: (device block, host block) pairs to copy out to the host pool, then
     # (host block, device block) pairs to copy back in, in every layer's cache, before this
     # step's forward reads or writes the device blocks (the device blocks swapped out are
-    # already free in the scheduler and may be reused by this very step).
+    # already free in the scheduler and may be reused by this very step). Every swap-out is
+    # decided before every swap-in (preemptions come before admissions), so running all
+    # swap-outs first reads each host and device block before it is written.
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
 
