@@ -69,6 +69,21 @@ def test_swap_preemption_keeps_greedy_tokens(case, caching, async_scheduling):
     assert 'hitchllm:host_kv_cache_blocks_used{model_name="tiny"} 0.0' in text
 
 
+@pytest.mark.parametrize("extra", [
+    # Drafts verified each step: no step is in flight when a request is swapped out.
+    dict(speculative_method="ngram", num_speculative_tokens=3),
+    # Prompts split over steps: requests are swapped out in the middle of their prompt.
+    dict(max_num_batched_tokens=8),
+    dict(scheduling_policy="priority"),
+])
+def test_swap_with_drafts_chunks_and_priorities(case, extra):
+    path, prompts, expected = case
+    llm = LLM(path, **SWAP, **extra)
+    assert generate(llm, prompts) == expected
+    assert llm.engine.stats().num_swap_outs > 0
+    assert_pools_whole(llm)
+
+
 def test_swap_run_matches_transformers(case):
     path, prompts, expected = case
     assert expected[:3] == hf_greedy(path, prompts[:3], MAX_TOKENS)
