@@ -29,6 +29,7 @@ from pathlib import Path
 from results_md import append_results, entry_heading
 
 from hitchllm import LLM, SamplingParams
+from hitchllm.config import ModelConfig
 
 SECTION = "## Preemption: recompute vs swap to host memory (issue 20)"
 ABOUT = ("Reproduce: `python benchmarks/preemption.py --model DIR --device cuda --results "
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> list[ModeRun]:
                 Path(tmp) / "llama", "LlamaForCausalLM",
                 max_position_embeddings=max(1024, args.prompt_len + args.output_len)))
         rng = random.Random(0)
-        vocab = 500 if args.model is None else 32000
+        vocab = ModelConfig.from_pretrained(model).vocab_size
         prompts = [[rng.randrange(1, vocab) for _ in range(args.prompt_len)]
                    for _ in range(args.num_prompts)]
         runs = [run_mode(model, mode, prompts, args, num_kv_blocks) for mode in args.modes]
