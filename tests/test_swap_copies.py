@@ -9,7 +9,7 @@ import torch
 
 from hitchllm.attention import KVCacheKind, KVCacheSpec
 from hitchllm.attention.block_copy import block_dim
-from hitchllm.engine.kv_swap import HostKVCache, _runs
+from hitchllm.engine.kv_swap import HostKVCache, _runs, host_pool_blocks, host_pool_bytes
 from hitchllm.plugins import get_plugin_registry
 
 NUM_BLOCKS = 7
@@ -108,3 +108,18 @@ def test_cuda_swaps_never_sync_and_wait_only_when_needed():
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     assert torch.equal(cache.select(dim, 3), cache.select(dim, 1))
+
+
+def test_host_pool_sizing_fits_the_budget_with_the_layouts_spare_block():
+    backend = BACKENDS["TORCH"]  # holds a spare block per layer
+    specs = [_spec(backend)] * 3
+    per_block = 3 * specs[0].bytes_per_block
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    # 10 blocks' bytes give 9 blocks: the spare block takes one.
+    assert host_pool_blocks(backend, specs, 10 * per_block, cpu) == 9
+    assert host_pool_bytes(backend, specs, 9) == 10 * per_block
+    # Pinned (CUDA) pools round the budget down to a power of two: never more than asked.
+    budget = 3 * 2**20
+    n = host_pool_blocks(backend, specs, budget, cuda)
+    assert host_pool_bytes(backend, specs, n) <= 2**21 < host_pool_bytes(backend, specs, n + 1)
+    assert host_pool_blocks(backend, specs, per_block, cpu) == 0

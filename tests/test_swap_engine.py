@@ -10,7 +10,7 @@ from reference import hf_greedy
 from test_models_hf_parity import mixed_prompts
 
 from hitchllm import LLM, EngineConfig, SamplingParams
-from hitchllm.attention import bytes_per_shared_block
+from hitchllm.engine.kv_swap import host_pool_bytes
 from hitchllm.entrypoints.cli import build_parser, engine_kwargs
 from hitchllm.entrypoints.openai.metrics import ServerMetrics
 from hitchllm.request import RequestStatus
@@ -113,9 +113,9 @@ def test_swap_computes_fewer_tokens_than_recompute(case):
 
 def test_a_host_pool_too_small_falls_back_to_recompute(case):
     path, prompts, expected = case
-    probe = LLM(path, **SWAP)
-    per_block = bytes_per_shared_block(probe.engine.executor.kv_cache_specs)
-    llm = LLM(path, **dict(SWAP, swap_space=10 * per_block / 2**30))
+    probe = LLM(path, **SWAP).engine
+    pool = host_pool_bytes(probe.attention_backend, probe.executor.kv_cache_specs, 10)
+    llm = LLM(path, **dict(SWAP, swap_space=pool / 2**30))
     assert llm.engine.kv_cache.num_host_blocks == 10
     assert generate(llm, prompts) == expected
     stats = llm.engine.stats()

@@ -137,8 +137,8 @@ class EngineConfig(BaseModel):
     # swap_space GiB and back; recomputed when the pool is full), auto (swap when that is
     # estimated faster than recomputing; docs/preemption.md).
     preemption_mode: Literal["recompute", "swap", "auto"] = "recompute"
-    # GiB of host memory (pinned on CUDA) per worker for swapped-out KV blocks; allocated
-    # only when preemption_mode is swap or auto.
+    # GiB of host memory (pinned on CUDA, there rounded down to a power of two) per worker
+    # for swapped-out KV blocks; allocated only when preemption_mode is swap or auto.
     swap_space: float = Field(4.0, ge=0)
     seed: int = 0
     # A method from a quantization plugin; default: the checkpoint's quant_method, if any.

@@ -19,6 +19,7 @@ before the next step's work (which may reuse them).
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Sequence
 
@@ -47,6 +48,30 @@ def _runs(ids: Sequence[int]) -> list[tuple[int, int, int]]:
     return [(b, i, n) for b, i, n in runs]
 
 
+def host_pool_bytes(backend: type[AttentionBackend], specs: Sequence[KVCacheSpec],
+                    num_blocks: int) -> int:
+    """Bytes of a host pool of ``num_blocks`` blocks: every layer's tensor in its backend's
+    layout (which may hold a spare block)."""
+    return sum(math.prod(backend.get_kv_cache_shape_for_spec(num_blocks, s)) * s.dtype.itemsize
+               for s in specs)
+
+
+def host_pool_blocks(backend: type[AttentionBackend], specs: Sequence[KVCacheSpec],
+                     budget: int, device: torch.device) -> int:
+    """The most host blocks whose pool fits in ``budget`` bytes. On CUDA the pool is pinned,
+    and PyTorch's pinned allocator rounds an allocation up to a power of two: the budget is
+    rounded down to one, so the pool never takes more than asked (``swap_space=4`` is 4 GiB,
+    ``6`` is also 4)."""
+    if device.type == "cuda" and budget > 0:
+        budget = 1 << (budget.bit_length() - 1)
+    per_block = sum(s.bytes_per_block for s in specs)
+    num_blocks = budget // per_block
+    while num_blocks > 0 and host_pool_bytes(backend, specs, num_blocks) > budget:
+        over = host_pool_bytes(backend, specs, num_blocks) - budget
+        num_blocks -= max(1, -(-over // per_block))
+    return max(num_blocks, 0)
+
+
 class HostKVCache:
     """Every layer's host pool and the swaps between it and the device caches."""
 
@@ -55,11 +80,16 @@ class HostKVCache:
                  num_host_blocks: int, device: torch.device) -> None:
         self.device = device
         self.num_blocks = num_host_blocks
-        pin = device.type == "cuda"
+        # One buffer carved into the layers' tensors: PyTorch's pinned allocator rounds each
+        # allocation up to a power of two (see ``host_pool_blocks``).
+        shapes = [backend.get_kv_cache_shape_for_spec(num_host_blocks, s) for s in specs]
+        sizes = [math.prod(shape) * spec.dtype.itemsize for shape, spec in zip(shapes, specs)]
+        self._buffer = torch.zeros(sum(sizes), dtype=torch.uint8,
+                                   pin_memory=device.type == "cuda")
+        offsets = itertools.accumulate(sizes, initial=0)
         self.host_caches = [
-            torch.zeros(backend.get_kv_cache_shape_for_spec(num_host_blocks, spec),
-                        dtype=spec.dtype, pin_memory=pin)
-            for spec in specs
+            self._buffer[start:start + size].view(spec.dtype).view(shape)
+            for start, size, shape, spec in zip(offsets, sizes, shapes, specs)
         ]
         self._device_pieces = [p for cache, dim in zip(device_caches, block_dims, strict=True)
                                for p in _pieces(cache, dim)]

@@ -23,6 +23,7 @@ from hitchllm.engine.executor import (
     RunnerOutputFuture,
     WorkerFailedError,
 )
+from hitchllm.engine.kv_swap import host_pool_blocks, host_pool_bytes
 from hitchllm.engine.mp_executor import MultiprocExecutor
 from hitchllm.engine.output_processor import OutputProcessor
 from hitchllm.engine.pipeline_parallel import check_pipeline_parallel
@@ -257,9 +258,12 @@ class LLMEngine:
             str(self.kv_cache_dtype).removeprefix("torch."),
         )
         if self.num_host_blocks:
-            logger.info("Swap space: %d host blocks (%.2f GiB per worker); a block's round "
-                        "trip to host memory measured %.1f us", self.num_host_blocks,
-                        config.swap_space, 1e6 * (self._swap_seconds_per_block or 0.0))
+            pool = host_pool_bytes(self.attention_backend, self.executor.kv_cache_specs,
+                                   self.num_host_blocks)
+            logger.info("Swap space: %d host blocks (%.2f GiB per worker, swap_space %.2f); a "
+                        "block's round trip to host memory measured %.1f us",
+                        self.num_host_blocks, pool / 2**30, config.swap_space,
+                        1e6 * (self._swap_seconds_per_block or 0.0))
         if not config.enforce_eager:
             self.executor.capture_cuda_graphs()
 
@@ -329,12 +333,13 @@ class LLMEngine:
         cfg = self.config
         if cfg.preemption_mode == "recompute":
             return 0
-        per_block = bytes_per_shared_block(self.executor.kv_cache_specs)
-        num_blocks = int(cfg.swap_space * 2**30) // per_block
+        specs = self.executor.kv_cache_specs
+        num_blocks = host_pool_blocks(self.attention_backend, specs,
+                                      int(cfg.swap_space * 2**30), self.device)
         if num_blocks < 1:
             raise ValueError(
                 f"swap_space={cfg.swap_space} GiB holds no KV block (one block takes "
-                f"{per_block} bytes per worker); raise swap_space or use "
+                f"{bytes_per_shared_block(specs)} bytes per worker); raise swap_space or use "
                 "preemption_mode=recompute")
         return num_blocks
 
