@@ -48,12 +48,20 @@ def _runs(ids: Sequence[int]) -> list[tuple[int, int, int]]:
     return [(b, i, n) for b, i, n in runs]
 
 
+_ALIGN = 256
+
+
 def host_pool_bytes(backend: type[AttentionBackend], specs: Sequence[KVCacheSpec],
                     num_blocks: int) -> int:
     """Bytes of a host pool of ``num_blocks`` blocks: every layer's tensor in its backend's
     layout (which may hold a spare block)."""
-    return sum(math.prod(backend.get_kv_cache_shape_for_spec(num_blocks, s)) * s.dtype.itemsize
-               for s in specs)
+    return sum(_aligned(math.prod(backend.get_kv_cache_shape_for_spec(num_blocks, s))
+                        * s.dtype.itemsize) for s in specs)
+
+
+def _aligned(size: int) -> int:
+    """``size`` rounded up so that every layer's tensor in the one buffer starts aligned."""
+    return -(-size // _ALIGN) * _ALIGN
 
 
 def host_pool_blocks(backend: type[AttentionBackend], specs: Sequence[KVCacheSpec],
@@ -84,9 +92,9 @@ class HostKVCache:
         # allocation up to a power of two (see ``host_pool_blocks``).
         shapes = [backend.get_kv_cache_shape_for_spec(num_host_blocks, s) for s in specs]
         sizes = [math.prod(shape) * spec.dtype.itemsize for shape, spec in zip(shapes, specs)]
-        self._buffer = torch.zeros(sum(sizes), dtype=torch.uint8,
+        self._buffer = torch.zeros(sum(map(_aligned, sizes)), dtype=torch.uint8,
                                    pin_memory=device.type == "cuda")
-        offsets = itertools.accumulate(sizes, initial=0)
+        offsets = itertools.accumulate(map(_aligned, sizes), initial=0)
         self.host_caches = [
             self._buffer[start:start + size].view(spec.dtype).view(shape)
             for start, size, shape, spec in zip(offsets, sizes, shapes, specs)
