@@ -210,22 +210,22 @@ class Scheduler:
                 continue  # it keeps its place; the requests behind it may go first
             if self.kv_cache.is_swapped(request.request_id):
                 num_new = self._swap_in(request, budget, allowed)
-                if num_new is None and self.running:
-                    break  # running requests will free blocks
                 if num_new is not None:
                     if num_new:
                         scheduled[request] = num_new
                         budget -= num_new
                     continue
-                # Nothing runs, yet its blocks do not fit: device blocks kept by swapped-out
-                # requests (shared when they were swapped) fill the cache. Recompute them all.
-                self._recompute_swapped()
+                if not self._recompute_swapped_if_stuck():
+                    break  # running requests will free blocks
+                # It is a request to recompute now, admitted like any.
             if request.sampling_params.prompt_logprobs is None:
                 hit_blocks, num_hit = self.kv_cache.get_computed_blocks(request)
             else:  # every prompt position needs its logits: no prefix-cache hit
                 hit_blocks, num_hit = [], 0
             num_new = min(request.num_tokens - num_hit, budget)
-            if not self._allocate_for_admission(request, num_new, hit_blocks, allowed):
+            if not self._allocate_for_admission(request, num_new, hit_blocks, allowed) and not (
+                    self._recompute_swapped_if_stuck()
+                    and self._allocate_for_admission(request, num_new, hit_blocks, allowed)):
                 break
             request.num_computed_tokens = num_hit
             if request.num_preemptions == 0:
@@ -299,6 +299,17 @@ class Scheduler:
         self.stats.num_swap_ins += 1
         self._start_running(request)
         return num_new
+
+    def _recompute_swapped_if_stuck(self) -> bool:
+        """When nothing runs (so no block will be freed) and a waiting request does not fit,
+        the device blocks that swapped-out requests kept (shared when they were swapped out)
+        may be what fills the cache: recompute every swapped-out request, freeing them. True
+        if there were any."""
+        if self.running or not any(self.kv_cache.is_swapped(r.request_id)
+                                   for r in self.waiting):
+            return False
+        self._recompute_swapped()
+        return True
 
     def _recompute_swapped(self) -> None:
         """Turn every swapped-out request into one to recompute, freeing the device blocks
