@@ -43,6 +43,7 @@ def _round_trip(backend, dtype: torch.dtype, device: torch.device) -> None:
     before = [r.clone() for r in raw]
     # Device blocks 1, 2 (a run) and 5 go to host blocks 3, 4 and 0.
     host.swap([(1, 3), (2, 4), (5, 0)], [], set())
+    host.swap([], [], set())  # the next step: it may write the blocks swapped out
     for r in raw:
         r.select(dim, 1).zero_()
         r.select(dim, 2).zero_()
