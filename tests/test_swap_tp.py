@@ -1,11 +1,13 @@
-"""Swap preemption under tensor parallelism on the CPU (gloo, 2 worker processes): every rank
-swaps its own shard of each block to its own host pool, and greedy tokens under heavy
-preemption equal one unpreempted process's."""
+"""Swap preemption with several worker processes on the CPU (gloo): under tensor parallelism
+every rank swaps its own shard of each block (its KV heads) to its own host pool, under
+pipeline parallelism every stage its own layers; greedy tokens under heavy preemption equal
+one unpreempted process's."""
 
 from __future__ import annotations
 
 import time
 
+import pytest
 from tp_support import TP_TEST_TIMEOUT_S, only_builtin_plugins, tp_llm  # noqa: F401
 
 from hitchllm import LLM, SamplingParams
@@ -20,11 +22,13 @@ def generate(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_tp2_swaps_every_ranks_shard(llama_path, only_builtin_plugins):  # noqa: F811
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2),
+                                      dict(pipeline_parallel_size=2)])
+def test_every_worker_swaps_its_share(llama_path, only_builtin_plugins, parallel):  # noqa: F811
     expected = generate(LLM(llama_path, **ENGINE))
     start = time.monotonic()
-    with tp_llm(llama_path, tensor_parallel_size=2, num_kv_blocks=20, preemption_mode="swap",
-                swap_space=0.01, **ENGINE) as llm:
+    with tp_llm(llama_path, num_kv_blocks=20, preemption_mode="swap", swap_space=0.01,
+                **parallel, **ENGINE) as llm:
         assert generate(llm) == expected
         stats = llm.engine.stats()
         assert stats.num_swap_outs > 0 and stats.num_swap_ins == stats.num_swap_outs
