@@ -7,7 +7,8 @@ length needs (or exactly ``--num-kv-blocks``), so requests are preempted again a
 Each mode reports output throughput, the inter-token latency (the gaps between a request's
 successive tokens as ``LLMEngine.step`` hands them out; p50 and p99 over every gap of every
 request), the tokens the engine computed in all (recompute computes preempted tokens again),
-preemptions and swaps, and whether its tokens equal the first mode's.
+preemptions and swaps, the blocks copied to and from host memory, and whether its tokens equal
+the first mode's.
 
     python benchmarks/preemption.py [--model DIR] [--device cuda] [--results benchmarks/RESULTS.md]
 
@@ -46,6 +47,7 @@ class ModeRun:
     output_tokens: int
     gaps: list[float]
     computed_tokens: int
+    blocks_copied: int
     preemptions: int
     swap_outs: int
     swap_ins: int
@@ -71,13 +73,14 @@ def run_mode(model: str, mode: str, prompts: list[list[int]], args: argparse.Nam
     llm.generate([{"prompt_token_ids": p} for p in prompts[:2]],
                  SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     base = engine.stats()
-    computed = 0
+    computed = copied = 0
     schedule = engine.scheduler.schedule
 
     def counting():
-        nonlocal computed
+        nonlocal computed, copied
         plan = schedule()
         computed += plan.total_num_scheduled_tokens
+        copied += len(plan.swap_out) + len(plan.swap_in)
         return plan
 
     engine.scheduler.schedule = counting
@@ -105,7 +108,7 @@ def run_mode(model: str, mode: str, prompts: list[list[int]], args: argparse.Nam
     seconds = time.perf_counter() - start
     engine.scheduler.schedule = schedule
     stats = engine.stats()
-    run = ModeRun(mode, seconds, sum(seen.values()), gaps, computed,
+    run = ModeRun(mode, seconds, sum(seen.values()), gaps, computed, copied,
                   stats.num_preemptions - base.num_preemptions,
                   stats.num_swap_outs - base.num_swap_outs, stats.num_swap_ins - base.num_swap_ins,
                   stats.num_swap_fallbacks - base.num_swap_fallbacks,
@@ -159,15 +162,17 @@ def main(argv: list[str] | None = None) -> list[ModeRun]:
         runs = [run_mode(model, mode, prompts, args, num_kv_blocks) for mode in args.modes]
 
     header = ("| mode | output tok/s | ITL p50 ms | ITL p99 ms | seconds | computed tokens | "
-              "preemptions | swap outs / ins | fell back to recompute | same tokens |")
-    rows = [header, "|---|---|---|---|---|---|---|---|---|---|"]
+              "preemptions | swap outs / ins | blocks copied | fell back to recompute | "
+              "same tokens |")
+    rows = [header, "|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
         same = "yes" if run.outputs == runs[0].outputs else "NO"
         rows.append(
             f"| {run.mode} | {run.output_tokens / run.seconds:.1f} | "
             f"{1e3 * run.percentile(0.5):.1f} | {1e3 * run.percentile(0.99):.1f} | "
             f"{run.seconds:.2f} | {run.computed_tokens} | {run.preemptions} | "
-            f"{run.swap_outs} / {run.swap_ins} | {run.fallbacks} | {same} |")
+            f"{run.swap_outs} / {run.swap_ins} | {run.blocks_copied} | {run.fallbacks} | "
+            f"{same} |")
     print("\n".join(rows))
 
     if args.results:

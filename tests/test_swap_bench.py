@@ -32,6 +32,7 @@ def test_cpu_smoke_run_compares_modes_and_appends(bench, tmp_path, capsys):
     assert all(len(t) == 24 for t in swap.outputs)
     assert recompute.preemptions > 0 and swap.swap_outs > 0 and recompute.swap_outs == 0
     assert swap.computed_tokens < recompute.computed_tokens
+    assert swap.blocks_copied > 0 and recompute.blocks_copied == 0
     assert swap.percentile(0.99) >= swap.percentile(0.5) > 0
     assert "| swap |" in capsys.readouterr().out
     text = results.read_text()
