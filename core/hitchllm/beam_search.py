@@ -210,6 +210,8 @@ class _BeamSearchRun:
         be scheduled and none was preempted (preempting makes room for the next step)."""
         plan = self.scheduler.schedule()
         if plan.is_empty:
+            # No row, but maybe work for the runner: states to drop, blocks to swap out.
+            self.engine.executor.execute_model(plan).result()
             return bool(plan.preempted_ids)
         requests = [self.scheduler.requests[rid] for rid in plan.request_ids]
         output = self.engine.executor.execute_model(plan).result()

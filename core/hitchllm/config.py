@@ -133,6 +133,14 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = True
     # fcfs: arrival order; priority: lowest ``priority`` value first (vLLM's convention).
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    # What a request preempted for want of KV blocks gives up: recompute (its blocks are
+    # freed, its tokens computed again), swap (its blocks are copied to a host pool of
+    # swap_space GiB and back; recomputed when the pool is full), auto (swap when that is
+    # estimated faster than recomputing; docs/preemption.md).
+    preemption_mode: Literal["recompute", "swap", "auto"] = "recompute"
+    # GiB of host memory (pinned on CUDA, there rounded down to a power of two) per worker
+    # for swapped-out KV blocks; allocated only when preemption_mode is swap or auto.
+    swap_space: float = Field(4.0, ge=0)
     seed: int = 0
     # A method from a quantization plugin; default: the checkpoint's quant_method, if any.
     quantization: str | None = None
@@ -261,6 +269,15 @@ class EngineConfig(BaseModel):
         """How many adapters stay loaded in host memory (``max_cpu_loras``, default
         ``max_loras``)."""
         return self.max_cpu_loras or self.max_loras
+
+    @model_validator(mode="after")
+    def _check_swap(self) -> EngineConfig:
+        if self.preemption_mode != "recompute" and self.swap_space <= 0:
+            raise ValueError(
+                f"preemption_mode={self.preemption_mode} swaps KV blocks to host memory but "
+                "swap_space is 0; give it some GiB (e.g. swap_space=4) or use "
+                "preemption_mode=recompute")
+        return self
 
     @model_validator(mode="after")
     def _check_kv_scales(self) -> EngineConfig:

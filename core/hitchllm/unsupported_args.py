@@ -20,7 +20,6 @@ VLLM_ARGS_NOT_SUPPORTED: dict[str, tuple[Any, str]] = {
     "enable_expert_parallel": (False, ""),
     "trust_remote_code": (False, "it runs only its own model classes"),
     "cpu_offload_gb": (0.0, ""),
-    "swap_space": (_NEVER, "preempted requests are recomputed"),
     "enable_chunked_prefill": (True, "prompts are always chunked"),
     "speculative_config": (None, "use speculative_method and num_speculative_tokens"),
     "tokenizer_mode": ("auto", ""),

@@ -75,8 +75,10 @@ class Executor(abc.ABC):
         smallest over the runners)."""
 
     @abc.abstractmethod
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate every runner's KV cache with ``num_blocks`` blocks."""
+    def initialize_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> float | None:
+        """Allocate every runner's KV cache with ``num_blocks`` blocks, and with
+        ``num_host_blocks`` a host pool of that many blocks per runner (swap preemption);
+        returns then the seconds to swap one block out and back in (the slowest runner's)."""
 
     @abc.abstractmethod
     def capture_cuda_graphs(self) -> None:
@@ -108,8 +110,8 @@ class InProcessExecutor(Executor):
     def kv_cache_bytes(self, gpu_memory_utilization: float) -> int:
         return self.worker.kv_cache_bytes(gpu_memory_utilization)
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.runner.initialize_kv_cache(num_blocks)
+    def initialize_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> float | None:
+        return self.runner.initialize_kv_cache(num_blocks, num_host_blocks)
 
     def capture_cuda_graphs(self) -> None:
         self.runner.capture_cuda_graphs()
@@ -138,8 +140,9 @@ class WorkerGroupExecutor(Executor):
     def kv_cache_bytes(self, gpu_memory_utilization: float) -> int:
         return min(self._call("kv_cache_bytes", gpu_memory_utilization))
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self._call("initialize_kv_cache", num_blocks)
+    def initialize_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> float | None:
+        times = self._call("initialize_kv_cache", num_blocks, num_host_blocks)
+        return max(times) if num_host_blocks else None
 
     def capture_cuda_graphs(self) -> None:
         self._call("capture_cuda_graphs")

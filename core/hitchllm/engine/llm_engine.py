@@ -24,6 +24,7 @@ from hitchllm.engine.executor import (
     RunnerOutputFuture,
     WorkerFailedError,
 )
+from hitchllm.engine.kv_swap import host_pool_blocks, host_pool_bytes
 from hitchllm.engine.mp_executor import MultiprocExecutor
 from hitchllm.engine.output_processor import OutputProcessor
 from hitchllm.engine.pipeline_parallel import check_pipeline_parallel
@@ -42,6 +43,7 @@ from hitchllm.plugins import get_plugin_registry
 from hitchllm.request import Request, RequestStatus
 from hitchllm.sampling_params import SamplingParams
 from hitchllm.scheduler.policy import PreemptionPolicy
+from hitchllm.scheduler.preemption import PreemptionMode, SwapCostModel
 from hitchllm.scheduler.scheduler import Scheduler, SchedulerConfig
 from hitchllm.scheduler.step_plan import StepPlan
 from hitchllm.speculative import Proposer
@@ -75,6 +77,7 @@ class _Launched:
     plan: StepPlan
     requests: list[Request]
     output: RunnerOutputFuture
+    launched_at: float = field(default_factory=time.perf_counter)
 
 
 @dataclass
@@ -116,6 +119,14 @@ class EngineStats:
     # pipeline_parallel_size with pipeline stages (micro-batches), else 1 or 2 (async
     # scheduling launches a step before the previous one completes).
     max_steps_in_flight: int = 0
+    # Swap preemption (all 0 with preemption_mode=recompute): requests swapped out and back
+    # in, preemptions recomputed because the host pool was full, and the host pool's blocks
+    # (per worker) held by swapped-out requests and in all.
+    num_swap_outs: int = 0
+    num_swap_ins: int = 0
+    num_swap_fallbacks: int = 0
+    host_blocks_used: int = 0
+    num_host_blocks: int = 0
 
 
 class LLMEngine:
@@ -204,7 +215,7 @@ class LLMEngine:
             raise
         self.kv_cache = KVCacheManager(
             self.num_kv_blocks, config.block_size, config.enable_prefix_caching,
-            extra_keys_fn=self._block_hash_extra_keys,
+            extra_keys_fn=self._block_hash_extra_keys, num_host_blocks=self.num_host_blocks,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -213,6 +224,7 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 policy=PreemptionPolicy(config.scheduling_policy),
                 num_micro_batches=config.pipeline_parallel_size,
+                preemption_mode=PreemptionMode(config.preemption_mode),
             ),
             self.kv_cache,
             on_finish=None if self.proposer is None else self.proposer.remove_requests,
@@ -220,6 +232,7 @@ class LLMEngine:
                 engine_config=config) for gate in result or []],
             kv_transfer=None if config.kv_transfer_config is None
             else KVTransferScheduling(config.kv_transfer_config, self.kv_cache),
+            swap_cost=SwapCostModel(swap_seconds_per_block=self._swap_seconds_per_block),
         )
         self.kv_transfer_stats = KVTransferStats()
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -259,7 +272,9 @@ class LLMEngine:
         """Size the KV cache, allocate it on every runner and capture the CUDA graphs."""
         config = self.config
         self.num_kv_blocks = self._num_kv_blocks()
-        self.executor.initialize_kv_cache(self.num_kv_blocks)
+        self.num_host_blocks = self._num_host_blocks()
+        self._swap_seconds_per_block = self.executor.initialize_kv_cache(
+            self.num_kv_blocks, self.num_host_blocks)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d, so at most %.2f "
             "requests of full length at once; device %s, %s, KV cache %s",
@@ -268,6 +283,13 @@ class LLMEngine:
             str(self.dtype).removeprefix("torch."),
             str(self.kv_cache_dtype).removeprefix("torch."),
         )
+        if self.num_host_blocks:
+            pool = host_pool_bytes(self.attention_backend, self.executor.kv_cache_specs,
+                                   self.num_host_blocks)
+            logger.info("Swap space: %d host blocks (%.2f GiB per worker, swap_space %.2f); a "
+                        "block's round trip to host memory measured %.1f us",
+                        self.num_host_blocks, pool / 2**30, config.swap_space,
+                        1e6 * (self._swap_seconds_per_block or 0.0))
         if not config.enforce_eager:
             self.executor.capture_cuda_graphs()
 
@@ -345,6 +367,22 @@ class LLMEngine:
                 "gpu_memory_utilization (CUDA) or kv_cache_memory"
             )
         return int(num_blocks)
+
+    def _num_host_blocks(self) -> int:
+        """Blocks of the host pool for swap preemption: ``swap_space`` GiB per worker over a
+        block's bytes on one worker (0 with preemption_mode=recompute)."""
+        cfg = self.config
+        if cfg.preemption_mode == "recompute":
+            return 0
+        specs = self.executor.kv_cache_specs
+        num_blocks = host_pool_blocks(self.attention_backend, specs,
+                                      int(cfg.swap_space * 2**30), self.device)
+        if num_blocks < 1:
+            raise ValueError(
+                f"swap_space={cfg.swap_space} GiB holds no KV block (one block takes "
+                f"{bytes_per_shared_block(specs)} bytes per worker); raise swap_space or use "
+                "preemption_mode=recompute")
+        return num_blocks
 
     def _build_proposer(self, model: torch.nn.Module) -> Proposer | None:
         name = self.config.speculative_method
@@ -715,6 +753,8 @@ class LLMEngine:
         if result.kv_events is not None:
             self.scheduler.update_kv_transfers(result.kv_events)
             self.kv_transfer_stats = result.kv_events.stats
+        self.scheduler.swap_cost.observe_step(launched.plan.total_num_scheduled_tokens,
+                                              time.perf_counter() - launched.launched_at)
         updated = self.scheduler.update_from_output(
             launched.plan, launched.requests, result.sampled)
         outputs, stopped = self.output_processor.process(
@@ -748,6 +788,11 @@ class LLMEngine:
             kv_transfer=self.kv_transfer_stats,
             kv_load_fallbacks=0 if s.kv_transfer is None else s.kv_transfer.num_fallbacks,
             max_steps_in_flight=self._max_steps_in_flight,
+            num_swap_outs=s.stats.num_swap_outs,
+            num_swap_ins=s.stats.num_swap_ins,
+            num_swap_fallbacks=s.stats.num_swap_fallbacks,
+            host_blocks_used=self.kv_cache.num_host_blocks - self.kv_cache.num_free_host_blocks,
+            num_host_blocks=self.kv_cache.num_host_blocks,
             **lora,
         )
 

@@ -22,6 +22,7 @@ from hitchllm.attention import (
 from hitchllm.attention.block_copy import block_dim, copy_blocks
 from hitchllm.engine.cuda_graphs import graphs_for
 from hitchllm.engine.input_batch import InputBatch, RequestState
+from hitchllm.engine.kv_swap import HostKVCache
 from hitchllm.engine.prompt_logprobs import compute_prompt_logprobs
 from hitchllm.engine.rejection_sampler import build_draft_tokens
 from hitchllm.engine.runner_output import PendingOutput, RunnerOutput
@@ -100,6 +101,8 @@ class ModelRunner:
                 f"{'an' if spec.use_mla else 'no'} MLA latent KV cache; the layers declare "
                 f"{sorted({s.kind.value for s in self.kv_cache_specs})}")
         self.kv_caches: list[torch.Tensor] = []
+        # Swap preemption's host pool (``initialize_kv_cache`` with host blocks).
+        self.host_kv: HostKVCache | None = None
         # Each cache tensor's block dimension, for copy-on-write block copies.
         self.kv_block_dims = [block_dim(backend, s) for s in self.kv_cache_specs]
         # Uniform decode batches up to the largest size are padded to a capture size (and
@@ -125,10 +128,12 @@ class ModelRunner:
 
     # ---- set-up ------------------------------------------------------------------------
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def initialize_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> float | None:
         """Allocate every layer's KV cache with ``num_blocks`` blocks, as its spec declares,
-        and bind it."""
+        and bind it. With ``num_host_blocks``, also the host pool that swap preemption copies
+        blocks to; returns then the measured seconds to swap one block out and back in."""
         self.kv_caches = []
+        self.host_kv = None
         for layer in self.layers:
             layer.bind(None, None)  # drop an earlier cache before allocating the next
         impl_cls = self.backend.get_impl_cls()
@@ -141,6 +146,11 @@ class ModelRunner:
             self.kv_caches.append(cache)
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.kv_caches, self.kv_block_dims)
+        if not num_host_blocks:
+            return None
+        self.host_kv = HostKVCache(self.backend, self.kv_cache_specs, self.kv_caches,
+                                   self.kv_block_dims, num_host_blocks, self.device)
+        return self.host_kv.measure_seconds_per_block(num_blocks)
 
     @torch.inference_mode()
     def measure_peak_memory(self) -> int:
@@ -253,6 +263,8 @@ class ModelRunner:
         for new in plan.new_requests:
             batch.add(new, [p for p in self.logits_processors
                             if p.is_used_by(new.sampling_params)])
+        if self.host_kv is not None or plan.swap_out or plan.swap_in:
+            self._swap(plan)  # every step: it may wait for the last step's swap-outs
         copy_blocks(self.kv_caches, self.kv_block_dims, plan.block_copies)
         if plan.is_empty:
             return PendingOutput()
@@ -300,6 +312,17 @@ class ModelRunner:
         if self.keep_hidden_states:
             pending.hidden_states = sampled_hidden
         return pending
+
+    def _swap(self, plan: StepPlan) -> None:
+        """Run the plan's swap-outs and swap-ins (see ``HostKVCache.swap``)."""
+        if self.host_kv is None:
+            raise RuntimeError("the step plan swaps KV blocks but this runner has no host "
+                               "pool (initialize_kv_cache without num_host_blocks)")
+        written: set[int] = set()
+        if plan.swap_out:
+            written.update(b for ids in plan.new_block_ids for b in ids)
+            written.update(d for _, d in plan.block_copies)
+        self.host_kv.swap(plan.swap_out, plan.swap_in, written)
 
     def append_fed_tokens(self, sampled: dict[str, list[int]]) -> None:
         """Record tokens sampled elsewhere (by the last pipeline stage) for this runner's

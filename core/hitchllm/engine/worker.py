@@ -191,8 +191,10 @@ class Worker:
 
     # ---- the runner's set-up and steps -------------------------------------------------
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.runner.initialize_kv_cache(num_blocks)
+    def initialize_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> float | None:
+        """This rank's KV cache, and its own host pool for its shard of every block (swap
+        preemption; see ``ModelRunner.initialize_kv_cache``)."""
+        return self.runner.initialize_kv_cache(num_blocks, num_host_blocks)
 
     def capture_cuda_graphs(self) -> None:
         """Capture the decode graphs; not with pipeline stages, whose forward sends and

@@ -82,6 +82,13 @@ def add_engine_args(
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                    action="store_false", help="turn automatic prefix caching off")
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority"])
+    g.add_argument("--preemption-mode", choices=["recompute", "swap", "auto"],
+                   help="what a preempted request gives up: recompute (default), swap (its "
+                        "KV blocks go to host memory and back), auto (the cheaper by "
+                        "estimate)")
+    g.add_argument("--swap-space", type=float,
+                   help="GiB of host memory per worker for swapped-out KV blocks (default 4; "
+                        "used with --preemption-mode swap or auto)")
     g.add_argument("--seed", type=int, default=0, help="seed of the engine's sampling RNG")
     g.add_argument("--enforce-eager", action="store_true", default=None,
                    help="CUDA: no CUDA graphs, every step runs eagerly")
@@ -121,7 +128,8 @@ ENGINE_FLAGS = ["tokenizer", "dtype", "kv_cache_dtype", "calculate_kv_scales", "
                 "ray_placement_timeout_s", "attention_backend",
                 "block_size", "num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization",
                 "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                "enable_prefix_caching", "scheduling_policy", "seed", "enforce_eager",
+                "enable_prefix_caching", "scheduling_policy", "preemption_mode", "swap_space",
+                "seed", "enforce_eager",
                 "enable_fusion", "async_scheduling", *VLLM_ARGS_NOT_SUPPORTED]
 
 

@@ -29,7 +29,9 @@ class LLM:
     ``tensor_parallel_size=N`` splits the model over N worker processes (N GPUs on CUDA);
     ``pipeline_parallel_size=M`` splits its layers into M stages (N x M processes).
     ``enable_lora=True`` (with ``max_loras``, ``max_lora_rank``, ``max_cpu_loras``) serves
-    LoRA adapters through the hitchllm-lora plugin.
+    LoRA adapters through the hitchllm-lora plugin. ``preemption_mode="swap"`` (with
+    ``swap_space`` GiB of host memory) swaps preempted requests' KV blocks to host memory
+    instead of recomputing them (docs/preemption.md).
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:

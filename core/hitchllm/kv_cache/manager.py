@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 
 from hitchllm.kv_cache.block_pool import BlockPool, KVCacheBlock
 from hitchllm.kv_cache.hashing import BlockHash, hash_block_tokens
+from hitchllm.kv_cache.host_swap import HostSwapSpace
 from hitchllm.request import Request
 
 
@@ -22,6 +23,10 @@ class KVCacheManager:
     a request into a shared block (its partial last block, where sibling beams diverge) moves
     it onto a fresh copy (copy-on-write); ``take_block_copies`` hands the (source,
     destination) pairs to the step that must copy them on the device before its forward.
+
+    With ``num_host_blocks`` a second pool in host memory takes the blocks of requests
+    preempted by swap (``swap_out`` / ``swap_in``, see ``hitchllm.kv_cache.host_swap``);
+    ``take_swaps`` hands the step its device <-> host copies.
     """
 
     def __init__(
@@ -30,6 +35,7 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         extra_keys_fn: Callable[[Request], Sequence[object] | None] | None = None,
+        num_host_blocks: int = 0,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -48,6 +54,7 @@ class KVCacheManager:
         self.prefix_cache_hits = 0
         # Copy-on-write block copies decided since the last ``take_block_copies``.
         self._block_copies: list[tuple[int, int]] = []
+        self.host = HostSwapSpace(num_host_blocks) if num_host_blocks else None
 
     @property
     def num_blocks(self) -> int:
@@ -227,9 +234,79 @@ class KVCacheManager:
             self.block_pool.cache_block(blocks[i], hashes[i])
         self._num_registered[rid] = num_full
 
-    def free(self, request: Request) -> None:
-        """Release the request's blocks and forget it; a no-op for an unknown request."""
+    # ---- swap preemption ----------------------------------------------------------------
+
+    def is_swapped(self, request_id: str) -> bool:
+        """Whether the request is swapped out (its KV waits in the host pool)."""
+        return self.host is not None and self.host.is_swapped(request_id)
+
+    def swap_out(self, request: Request) -> bool:
+        """Preempt ``request`` by swap: its blocks held alone go to host blocks and are freed
+        on the device, shared ones stay referenced (see ``host_swap``). Its computed tokens
+        stay computed. Returns False, changing nothing, when there is no host pool or too
+        few free host blocks (the caller recomputes the request instead)."""
         rid = request.request_id
+        if self.host is None or not self.host.swap_out(rid, self._blocks.get(rid, []),
+                                                       self.block_pool):
+            return False
+        self._blocks.pop(rid, None)
+        self._block_ids.pop(rid, None)
+        # Its hashes stay (the tokens did not change); blocks are offered to the prefix cache
+        # again at swap-in, fresh device blocks among them.
+        self._num_registered.pop(rid, None)
+        return True
+
+    def swap_out_size(self, request: Request) -> tuple[int, int]:
+        """What a swap-out of ``request`` would cost: the blocks it would copy to the host,
+        and the tokens of the blocks that stay on the device (shared with other requests),
+        which a recompute would not compute again either."""
+        blocks = self._blocks.get(request.request_id, [])
+        kept = sum(1 for b in blocks if b.ref_cnt > 1)
+        to_copy = self.host.num_blocks_to_copy(blocks) if self.host is not None else 0
+        return to_copy, min(kept * self.block_size, request.num_computed_tokens)
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> bool:
+        """Bring a swapped-out request's blocks back to the device and give it slots for
+        ``num_new_tokens`` more tokens, as ``allocate_slots``. Returns False, changing
+        nothing, when too few device blocks are free."""
+        assert self.host is not None
+        rid = request.request_id
+        entries = self.host.entries(rid)
+        num_needed = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
+        first_written = request.num_computed_tokens // self.block_size
+        shared_written = sum(1 for i, e in enumerate(entries) if i >= first_written
+                             and e.device is not None and e.device.ref_cnt > 1)
+        need = (self.host.num_device_blocks_to_swap_in(rid, self.block_pool)
+                + max(0, num_needed - len(entries)) + shared_written)
+        if need > self.block_pool.num_free_blocks:
+            return False
+        blocks = self.host.swap_in(rid, self.block_pool)
+        self._blocks[rid] = blocks
+        self._block_ids[rid] = [b.block_id for b in blocks]
+        if not self.allocate_slots(request, num_new_tokens):
+            raise RuntimeError(f"request {rid}: swapped in but its new slots did not fit")
+        return True
+
+    def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The swap-out (device, host) and swap-in (host, device) block copies decided since
+        the last call; the step runs them before its forward (swap-outs first)."""
+        return ([], []) if self.host is None else self.host.take_copies()
+
+    @property
+    def num_host_blocks(self) -> int:
+        return 0 if self.host is None else self.host.num_blocks
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        """Host blocks no swapped-out request holds (cached ones included)."""
+        return 0 if self.host is None else self.host.pool.num_free_blocks
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks (device, and host when it is swapped out) and forget
+        it; a no-op for an unknown request."""
+        rid = request.request_id
+        if self.host is not None:
+            self.host.discard(rid, self.block_pool)
         blocks = self._blocks.pop(rid, [])
         self._block_ids.pop(rid, None)
         # Tail first: a prompt's last blocks are the least likely to be hit again.
@@ -245,5 +322,10 @@ class KVCacheManager:
         return self._block_ids.get(request_id, [])
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block hash; only succeeds while no request holds a block."""
-        return self.block_pool.reset_prefix_cache()
+        """Forget every cached block hash, in the host pool too (its blocks would otherwise
+        stand in for content computed anew); only succeeds while no request holds a block."""
+        host = self.host.pool if self.host is not None else None
+        if host is not None and host.num_free_blocks != host.num_blocks:
+            return False
+        return self.block_pool.reset_prefix_cache() and (
+            host is None or host.reset_prefix_cache())

@@ -12,10 +12,14 @@ by the host. ``update_from_output`` turns pending tokens into output tokens. Bec
 step may be scheduled before that happens, a decode step's input can be a pending token (the
 model runner takes it from the device); see ``LLMEngine`` for that overlap.
 
-When the KV cache runs out of blocks, a running request is preempted by recompute: its blocks
-are freed and it goes back to the front of the waiting queue (prefix caching usually makes the
-recompute cheap). The victim is chosen by ``PreemptionPolicy`` among the running requests not
-yet scheduled in the step.
+When the KV cache runs out of blocks, a running request is preempted and goes back to the
+front of the waiting queue. The victim is chosen by ``PreemptionPolicy`` among the running
+requests not yet scheduled in the step. By recompute (``PreemptionMode``), its blocks are freed
+and its tokens computed again when it resumes (prefix caching usually makes that cheap); by
+swap, its blocks are copied to the host pool (``KVCacheManager.swap_out``, the copies go in the
+plan's ``swap_out``) and its computed tokens stay computed: when it is admitted again its
+blocks come back (``swap_in``) before its next step. A request the host pool cannot take is
+recomputed instead.
 
 With a KV connector (disaggregated serving, ``hitchllm.kv_transfer``), a producer keeps a
 finished request's blocks until its KV is saved, and a consumer reserves blocks for a request's
@@ -56,6 +60,7 @@ from hitchllm.kv_transfer.scheduling import KVTransferScheduling
 from hitchllm.request import Request, RequestStatus
 from hitchllm.scheduler.admission import AdmissionGate
 from hitchllm.scheduler.policy import PreemptionPolicy
+from hitchllm.scheduler.preemption import PreemptionMode, SwapCostModel
 from hitchllm.scheduler.step_plan import NewRequestData, StepPlan
 from hitchllm.scheduler.stop import check_stop
 
@@ -68,6 +73,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     policy: PreemptionPolicy = PreemptionPolicy.FCFS
+    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
     # Steps the engine keeps in flight at once over disjoint requests (pipeline stages).
     num_micro_batches: int = 1
 
@@ -92,6 +98,11 @@ class SchedulerStats:
     # Prompt tokens scheduled for computation (prefix-cache hits and KV received from a
     # producer are not computed).
     num_prompt_tokens_computed: int = 0
+    # Swap preemption: requests swapped out to and back in from the host pool, and
+    # preemptions that wanted to swap but were recomputed because the host pool was full.
+    num_swap_outs: int = 0
+    num_swap_ins: int = 0
+    num_swap_fallbacks: int = 0
 
 
 class Scheduler:
@@ -102,9 +113,15 @@ class Scheduler:
         on_finish: Callable[[list[str]], None] | None = None,
         gates: Iterable[AdmissionGate] = (),
         kv_transfer: KVTransferScheduling | None = None,
+        swap_cost: SwapCostModel | None = None,
     ) -> None:
         self.config = config
         self.kv_cache = kv_cache
+        if config.preemption_mode is not PreemptionMode.RECOMPUTE and kv_cache.host is None:
+            raise ValueError(f"preemption_mode={config.preemption_mode.value} needs a host "
+                             "pool: give the KV cache manager num_host_blocks (swap_space)")
+        # ``auto``'s estimates (see ``SwapCostModel``).
+        self.swap_cost = swap_cost or SwapCostModel()
         self.gates = list(gates)
         self.kv_transfer = kv_transfer
         # Told the id of every request as it finishes (the speculative proposer's
@@ -245,6 +262,16 @@ class Scheduler:
                     break
                 self.waiting.remove(request)  # it waits for its KV outside the queues
                 continue
+            if self.kv_cache.is_swapped(request.request_id):
+                num_new = self._swap_in(request, budget, allowed, busy)
+                if num_new is not None:
+                    if num_new:
+                        scheduled[request] = num_new
+                        budget -= num_new
+                    continue
+                if not self._recompute_swapped_if_stuck():
+                    break  # running requests will free blocks
+                # It is a request to recompute now, admitted like any.
             if self.kv_transfer is not None and self.kv_transfer.is_loaded(request):
                 hit_blocks, num_hit = [], request.num_computed_tokens  # KV from a producer
             elif request.sampling_params.prompt_logprobs is None:
@@ -252,16 +279,16 @@ class Scheduler:
             else:  # every prompt position needs its logits: no prefix-cache hit
                 hit_blocks, num_hit = [], 0
             num_new = min(request.num_tokens - num_hit, budget)
-            if not self._allocate_for_admission(request, num_new, hit_blocks, allowed, busy):
+            if not self._allocate_for_admission(request, num_new, hit_blocks, allowed,
+                                                busy) and not (
+                    self._recompute_swapped_if_stuck()
+                    and self._allocate_for_admission(request, num_new, hit_blocks, allowed,
+                                                     busy)):
                 break
-            self.waiting.remove(request)
-            request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
             if request.num_preemptions == 0:
                 request.num_cached_prompt_tokens = num_hit
-            self.running.append(request)
-            for gate in self.gates:
-                gate.admitted(request)
+            self._start_running(request)
             scheduled[request] = num_new
             budget -= num_new
 
@@ -280,6 +307,7 @@ class Scheduler:
         for request in requests:
             self._plan_request(plan, request)
         plan.block_copies = self.kv_cache.take_block_copies()
+        plan.swap_out, plan.swap_in = self.kv_cache.take_swaps()
         plan.preempted_ids, self._preempted = self._preempted, []
         plan.finished_ids, self._finished = self._finished, []
         if self.kv_transfer is not None:
@@ -319,6 +347,55 @@ class Scheduler:
             if request.spec_token_probs is not None:
                 plan.draft_probs[rid] = request.spec_token_probs[: len(request.spec_token_ids)]
 
+    def _start_running(self, request: Request) -> None:
+        self.waiting.remove(request)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        for gate in self.gates:
+            gate.admitted(request)
+
+    def _swap_in(self, request: Request, budget: int, allowed: set[Request] | None,
+                 busy: Collection[Request]) -> int | None:
+        """Admit a swapped-out request: its blocks come back and it resumes where it was.
+        Returns its tokens to compute this step (0: not this step, it keeps its place), or
+        None when its blocks do not fit (admission stops)."""
+        if request.num_pending_tokens:
+            return 0  # its last step's token is not back yet: resume once it is
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget,
+                      self.config.max_model_len - request.num_computed_tokens)
+        if num_new <= 0:
+            return 0
+        while not self.kv_cache.swap_in(request, num_new):
+            idle = [r for r in self.running
+                    if allowed is not None and r not in allowed and r not in busy]
+            if not idle:
+                return None
+            # Recomputed, never swapped: a plan's swap-outs all come before its swap-ins.
+            self._preempt(self.config.policy.pick_victim(idle), may_swap=False)
+        self.stats.num_swap_ins += 1
+        self._start_running(request)
+        return num_new
+
+    def _recompute_swapped_if_stuck(self) -> bool:
+        """When nothing runs (so no block will be freed) and a waiting request does not fit,
+        the device blocks that swapped-out requests kept (shared when they were swapped out)
+        may be what fills the cache: recompute every swapped-out request, freeing them. True
+        if there were any."""
+        if self.running or not any(self.kv_cache.is_swapped(r.request_id)
+                                   for r in self.waiting):
+            return False
+        self._recompute_swapped()
+        return True
+
+    def _recompute_swapped(self) -> None:
+        """Turn every swapped-out request into one to recompute, freeing the device blocks
+        they kept and their host blocks."""
+        for request in self.waiting:
+            if self.kv_cache.is_swapped(request.request_id):
+                self.kv_cache.free(request)
+                request.num_computed_tokens = 0
+                self.stats.num_swap_fallbacks += 1
+
     def _admission_candidates(self, allowed: set[Request] | None) -> list[Request]:
         """The waiting requests that may be admitted, in queue order (a snapshot: admitting
         one changes the queue). While suspects run apart, only the current group's."""
@@ -338,7 +415,8 @@ class Scheduler:
                     if allowed is not None and r not in allowed and r not in busy]
             if not idle:
                 return False
-            self._preempt(self.config.policy.pick_victim(idle))
+            # Recomputed, never swapped: a plan's swap-outs all come before its swap-ins.
+            self._preempt(self.config.policy.pick_victim(idle), may_swap=False)
         return True
 
     # ---- isolating a failing request ---------------------------------------------------
@@ -353,8 +431,11 @@ class Scheduler:
                 continue
             request.num_pending_tokens = 0
             request.spec_token_ids = []
+            # Their K/V may come from the failed step: never swapped, always recomputed.
             if request.status == RequestStatus.RUNNING:
-                self._preempt(request)
+                self._preempt(request, may_swap=False)
+        # The failed step may not have made its swap-out copies: no host copy is trusted.
+        self._recompute_swapped()
         for request in live:
             self._clear_suspect(request)
         half = (len(live) + 1) // 2
@@ -386,11 +467,12 @@ class Scheduler:
         return ((max_tokens is not None and request.num_output_tokens + pending >= max_tokens)
                 or request.num_tokens + pending >= self.config.max_model_len)
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, may_swap: bool = True) -> None:
         self._dequeue(request)
-        self.kv_cache.free(request)
+        if not (may_swap and self._swap_out(request)):
+            self.kv_cache.free(request)
+            request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
         request.spec_token_ids = []
         request.spec_token_probs = None
         request.num_preemptions += 1
@@ -398,6 +480,23 @@ class Scheduler:
         self.config.policy.enqueue(self.waiting, request, front=True)
         self._blocks_sent.pop(request.request_id, None)
         self._preempted.append(request.request_id)
+
+    def _swap_out(self, request: Request) -> bool:
+        """Preempt ``request`` by swap if the mode (and for ``auto``, the cost) says so and
+        the host pool has room; False: recompute it."""
+        mode = self.config.preemption_mode
+        if mode is PreemptionMode.RECOMPUTE or not request.num_computed_tokens:
+            return False
+        if mode is PreemptionMode.AUTO:
+            to_copy, kept_tokens = self.kv_cache.swap_out_size(request)
+            if not self.swap_cost.prefers_swap(
+                    to_copy, request.num_computed_tokens - kept_tokens):
+                return False
+        if self.kv_cache.swap_out(request):
+            self.stats.num_swap_outs += 1
+            return True
+        self.stats.num_swap_fallbacks += 1
+        return False
 
     def update_from_output(
         self, plan: StepPlan, requests: list[Request], sampled: dict[str, list[int]]

@@ -72,10 +72,20 @@ class StepPlan:
     kv_load_finishes: list[str] = field(default_factory=list)
     kv_load_cancels: list[str] = field(default_factory=list)
 
+    # Swap preemption: (device block, host block) pairs to copy out to the host pool, then
+    # (host block, device block) pairs to copy back in, in every layer's cache, before this
+    # step's forward reads or writes the device blocks (the device blocks swapped out are
+    # already free in the scheduler and may be reused by this very step). Every swap-out is
+    # decided before every swap-in (preemptions come before admissions), so running all
+    # swap-outs first reads each host and device block before it is written.
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+
     @property
     def has_kv_transfers(self) -> bool:
         return bool(self.kv_saves or self.kv_loads or self.kv_load_finishes
                     or self.kv_load_cancels)
+
 
     @property
     def total_num_scheduled_tokens(self) -> int:

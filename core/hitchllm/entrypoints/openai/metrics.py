@@ -59,7 +59,12 @@ class ServerMetrics:
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests started.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        self.preemptions = counter("num_preemptions", "Requests preempted (by recompute).")
+        self.preemptions = counter("num_preemptions", "Requests preempted (recompute or swap).")
+        # Swap preemption (--preemption-mode swap / auto).
+        self.swap_outs = counter("num_swap_outs", "Preempted requests swapped to host memory.")
+        self.swap_ins = counter("num_swap_ins", "Swapped-out requests swapped back in.")
+        self.host_blocks = gauge("host_kv_cache_blocks_used",
+                                 "Host-pool KV blocks (per worker) held by swapped-out requests.")
         self.prefix_queries = counter("prefix_cache_queries",
                                       "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
@@ -93,14 +98,15 @@ class ServerMetrics:
         self._model = model_name
         # Create every label child now so each metric is exported (as 0) from the start.
         for metric in (self.running, self.waiting, self.kv_usage, self.prompt_tokens,
-                       self.generation_tokens, self.preemptions, self.prefix_queries,
+                       self.generation_tokens, self.preemptions, self.swap_outs, self.swap_ins,
+                       self.host_blocks, self.prefix_queries,
                        self.prefix_hits, self.spec_drafts, self.spec_draft_tokens,
                        self.spec_accepted, self.ttft, self.itl, self.e2e,
                        self.prompt_tokens_computed, *kv):
             metric.labels(model_name)
         self._totals_of = [self.preemptions, self.prefix_queries, self.prefix_hits,
                            self.spec_drafts, self.spec_draft_tokens, self.spec_accepted,
-                           self.prompt_tokens_computed, *kv]
+                           self.prompt_tokens_computed, self.swap_outs, self.swap_ins, *kv]
         self._timing: dict[str, _RequestTiming] = {}
         self._last_totals: tuple[float, ...] = (0,) * len(self._totals_of)
         self._lora: _LoRAMetrics | None = None
@@ -117,10 +123,12 @@ class ServerMetrics:
         self.running.labels(m).set(stats.num_running)
         self.waiting.labels(m).set(stats.num_waiting)
         self.kv_usage.labels(m).set(stats.kv_cache_usage)
+        self.host_blocks.labels(m).set(stats.host_blocks_used)
         kv = stats.kv_transfer
         totals = (stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits,
                   stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens,
                   stats.spec_decode_num_accepted_tokens, stats.num_prompt_tokens_computed,
+                  stats.num_swap_outs, stats.num_swap_ins,
                   kv.num_saves, kv.bytes_saved, kv.save_seconds, kv.num_loads, kv.bytes_loaded,
                   kv.load_seconds, kv.num_failed_loads, stats.kv_load_fallbacks)
         for metric, new, old in zip(self._totals_of, totals, self._last_totals, strict=True):

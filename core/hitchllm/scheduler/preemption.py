@@ -1,0 +1,49 @@
+"""How a preempted request gives up its KV cache: recomputed later, or swapped to host memory.
+
+``recompute`` frees the request's blocks; it computes its tokens again when it resumes
+(prefix caching often makes that cheap). ``swap`` copies its blocks to the host pool and back
+before it resumes, keeping the work done; when the host pool is full the request is
+recomputed. ``auto`` chooses per preemption by estimated cost (``SwapCostModel``).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class PreemptionMode(enum.Enum):
+    RECOMPUTE = "recompute"
+    SWAP = "swap"
+    AUTO = "auto"
+
+
+@dataclass
+class SwapCostModel:
+    """``auto``'s rule: swap when moving the request's blocks out and back in is estimated to
+    take less time than recomputing its tokens,
+
+        blocks_to_copy * swap_seconds_per_block  <  tokens_to_recompute / recompute_tokens_per_s
+
+    ``swap_seconds_per_block`` is measured when the KV cache is allocated (a round trip of
+    some blocks through the host pool, the slowest rank's); ``recompute_tokens_per_s`` is the
+    highest step throughput (scheduled tokens per second, launch to result) seen so far: a
+    recompute runs as a prompt, at the engine's best rate, and the observed rate only
+    underestimates it. Until both are known, swapping is assumed cheaper.
+    """
+
+    swap_seconds_per_block: float | None = None
+    recompute_tokens_per_s: float | None = None
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """Record one completed step's scheduled tokens and duration."""
+        if num_tokens and seconds > 0:
+            rate = num_tokens / seconds
+            if self.recompute_tokens_per_s is None or rate > self.recompute_tokens_per_s:
+                self.recompute_tokens_per_s = rate
+
+    def prefers_swap(self, blocks_to_copy: int, tokens_to_recompute: int) -> bool:
+        if self.swap_seconds_per_block is None or not self.recompute_tokens_per_s:
+            return True
+        swap_s = blocks_to_copy * self.swap_seconds_per_block
+        return swap_s < tokens_to_recompute / self.recompute_tokens_per_s
