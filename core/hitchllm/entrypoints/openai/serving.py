@@ -19,7 +19,7 @@ from typing import Any
 from hitchllm.engine.engine_client import EngineClient
 from hitchllm.entrypoints.llm import chat_prompt_token_ids
 from hitchllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from hitchllm.entrypoints.openai.streaming import merge, sse, stream_safe_length
+from hitchllm.entrypoints.openai.streaming import merge_latest, sse, stream_safe_length
 from hitchllm.lora import LoRARequest
 from hitchllm.outputs import CompletionOutput, Logprob, RequestOutput
 from hitchllm.sampling_params import SamplingParams
@@ -94,7 +94,7 @@ class OpenAIServing:
         others are then aborted)."""
         iterators = [self.engine.generate(p, params, lora_request=lora_request)
                      for p in prompts]
-        merged = merge(iterators)
+        merged = merge_latest(iterators)
         latest: dict[int, RequestOutput] = {}
         try:
             async for i, out in merged:
