@@ -81,6 +81,13 @@ class ServerMetrics:
                        self.prefix_hits, self.spec_drafts, self.spec_draft_tokens,
                        self.spec_accepted, self.ttft, self.itl, self.e2e):
             metric.labels(model_name)
+        # The per-request series, looked up once (``labels`` takes a lock and builds a key;
+        # these are updated for every request on every step).
+        self._prompt_tokens = self.prompt_tokens.labels(model_name)
+        self._generation_tokens = self.generation_tokens.labels(model_name)
+        self._ttft = self.ttft.labels(model_name)
+        self._itl = self.itl.labels(model_name)
+        self._e2e = self.e2e.labels(model_name)
         self._timing: dict[str, _RequestTiming] = {}
         self._last_totals = (0,) * 6
         self._lora: _LoRAMetrics | None = None
@@ -113,28 +120,27 @@ class ServerMetrics:
             self._observe_request(out, now)
 
     def _observe_request(self, out: RequestOutput, now: float) -> None:
-        m = self._model
         num_tokens = sum(len(c.token_ids) for c in out.outputs)
         timing = self._timing.get(out.request_id)
         if timing is None:
-            self.prompt_tokens.labels(m).inc(len(out.prompt_token_ids))
+            self._prompt_tokens.inc(len(out.prompt_token_ids))
             first = out.metrics.get("first_token_time")
             if first is not None and num_tokens:
-                self.ttft.labels(m).observe(first - out.metrics["arrival_time"])
+                self._ttft.observe(first - out.metrics["arrival_time"])
             timing = _RequestTiming(now, 0)
             self._timing[out.request_id] = timing
         elif num_tokens > timing.num_tokens:
             gap = (now - timing.last_time) / (num_tokens - timing.num_tokens)
             for _ in range(num_tokens - timing.num_tokens):
-                self.itl.labels(m).observe(gap)
+                self._itl.observe(gap)
         if num_tokens > timing.num_tokens:
-            self.generation_tokens.labels(m).inc(num_tokens - timing.num_tokens)
+            self._generation_tokens.inc(num_tokens - timing.num_tokens)
             timing.num_tokens = num_tokens
             timing.last_time = now
         if out.finished:
-            self.e2e.labels(m).observe(now - out.metrics["arrival_time"])
+            self._e2e.observe(now - out.metrics["arrival_time"])
             reason = out.outputs[0].finish_reason if out.outputs else "abort"
-            self.request_success.labels(m, reason or "abort").inc()
+            self.request_success.labels(self._model, reason or "abort").inc()
             del self._timing[out.request_id]
 
 

@@ -306,7 +306,7 @@ def build_app(
     return app
 
 
-async def _guarded(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+async def _guarded(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """Stream ``chunks``; a failure mid-stream becomes a final error event."""
     try:
         async for chunk in chunks:

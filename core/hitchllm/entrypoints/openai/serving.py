@@ -124,29 +124,37 @@ class OpenAIServing:
         """(choice index, sequence, new text, new token ids, new logprobs, just finished)
         for every sequence with something to send, in arrival order. Tokens that add no
         text yet (part of a multi-byte character) are sent only when logprobs are wanted."""
+        for i, out in enumerate(batch.latest):
+            for update in self._updates(batch, i, out, stop, n, with_logprobs):
+                yield update
+        async for i, out in batch.rest:
+            for update in self._updates(batch, i, out, stop, n, with_logprobs):
+                yield update
 
-        async def all_outputs() -> AsyncIterator[tuple[int, RequestOutput]]:
-            for i, out in enumerate(batch.latest):
-                yield i, out
-            async for item in batch.rest:
-                yield item
-
-        async for i, out in all_outputs():
-            for seq in out.outputs:
-                cursor = batch.cursors.setdefault((i, seq.index), _SeqCursor())
-                if cursor.finished:
-                    continue
-                finished = seq.finish_reason is not None
-                safe = stream_safe_length(seq.text, stop, finished)
-                new_text = seq.text[cursor.text_len : max(safe, cursor.text_len)]
-                new_ids = seq.token_ids[cursor.num_tokens :]
-                new_lps = (seq.logprobs or [])[cursor.num_tokens :]
-                if not new_text and not finished and not (with_logprobs and new_ids):
-                    continue
-                cursor.text_len += len(new_text)
-                cursor.num_tokens = len(seq.token_ids)
-                cursor.finished = finished
-                yield i * n + seq.index, seq, new_text, new_ids, new_lps, finished
+    @staticmethod
+    def _updates(
+        batch: _Batch, i: int, out: RequestOutput, stop: list[str], n: int, with_logprobs: bool,
+    ) -> list[tuple[int, CompletionOutput, str, list[int], list[Any], bool]]:
+        """``_stream_updates`` of one output of prompt ``i``."""
+        updates = []
+        for seq in out.outputs:
+            cursor = batch.cursors.get((i, seq.index))
+            if cursor is None:
+                cursor = batch.cursors[(i, seq.index)] = _SeqCursor()
+            elif cursor.finished:
+                continue
+            finished = seq.finish_reason is not None
+            safe = stream_safe_length(seq.text, stop, finished)
+            new_text = seq.text[cursor.text_len : max(safe, cursor.text_len)]
+            new_ids = seq.token_ids[cursor.num_tokens :]
+            if not new_text and not finished and not (with_logprobs and new_ids):
+                continue
+            new_lps = seq.logprobs[cursor.num_tokens :] if seq.logprobs else []
+            cursor.text_len += len(new_text)
+            cursor.num_tokens = len(seq.token_ids)
+            cursor.finished = finished
+            updates.append((i * n + seq.index, seq, new_text, new_ids, new_lps, finished))
+        return updates
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -159,7 +167,7 @@ class OpenAIServing:
 
     async def completions(
         self, req: CompletionRequest, lora_request: LoRARequest | None = None
-    ) -> dict[str, Any] | AsyncIterator[str]:
+    ) -> dict[str, Any] | AsyncIterator[bytes]:
         """``/v1/completions``, run with ``lora_request``'s adapter when given."""
         if req.use_beam_search:
             return await self._beam_search_completions(req, lora_request)
@@ -241,7 +249,7 @@ class OpenAIServing:
     async def _stream_whole(
         req: CompletionRequest, head: dict[str, Any], choices: list[dict[str, Any]],
         usage: dict[str, int],
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[bytes]:
         """SSE chunks of an answer that is complete before the first chunk."""
         for choice in choices:
             yield sse({**head, "choices": [choice]})
@@ -251,7 +259,7 @@ class OpenAIServing:
 
     def _stream_completions(
         self, req: CompletionRequest, batch: _Batch, head: dict[str, Any], stop: list[str]
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[bytes]:
         offsets: dict[int, int] = {}
 
         def choice(index: int, text: str, ids: list[int], lps: list[Any]) -> dict[str, Any]:
@@ -276,7 +284,7 @@ class OpenAIServing:
         head: dict[str, Any], stop: list[str], with_logprobs: bool,
         choice: Callable[[int, str, list[int], list[Any]], dict[str, Any]],
         prologue: list[dict[str, Any]],
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[bytes]:
         """SSE chunks: ``prologue`` choices, one chunk per update (``choice`` builds the
         endpoint's fields), optional usage, then ``[DONE]``."""
         try:
@@ -342,7 +350,7 @@ class OpenAIServing:
 
     async def chat(
         self, req: ChatCompletionRequest, lora_request: LoRARequest | None = None
-    ) -> dict[str, Any] | AsyncIterator[str]:
+    ) -> dict[str, Any] | AsyncIterator[bytes]:
         """``/v1/chat/completions``, run with ``lora_request``'s adapter when given."""
         _check_no_streamed_prompt_logprobs(req)
         max_tokens = req.max_completion_tokens or req.max_tokens
@@ -370,7 +378,7 @@ class OpenAIServing:
     def _stream_chat(
         self, req: ChatCompletionRequest, batch: _Batch, rid: str, created: int, model: str,
         stop: list[str],
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[bytes]:
         def choice(index: int, text: str, ids: list[int], lps: list[Any]) -> dict[str, Any]:
             return {
                 "index": index, "delta": {"content": text} if text else {},

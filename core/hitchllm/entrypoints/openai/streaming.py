@@ -5,16 +5,30 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
 
-def sse(payload: dict[str, Any] | str) -> str:
+def _json_encoder() -> Callable[[Any], bytes]:
+    """orjson when it is installed (several times faster per chunk than ``json``; it writes a
+    non-finite number as null where ``json`` writes the non-standard -Infinity), else
+    ``json``; both write UTF-8 text as it is, unescaped."""
+    try:
+        import orjson
+    except ImportError:
+        return lambda payload: json.dumps(payload, ensure_ascii=False).encode()
+    return orjson.dumps
+
+
+_encode_json = _json_encoder()
+
+
+def sse(payload: dict[str, Any] | str) -> bytes:
     """One server-sent event carrying ``payload`` (a JSON object, or a literal like [DONE])."""
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
-    return f"data: {data}\n\n"
+    data = payload.encode() if isinstance(payload, str) else _encode_json(payload)
+    return b"data: " + data + b"\n\n"
 
 
 async def merge_latest(iterators: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
