@@ -93,3 +93,16 @@ def test_concurrent_streams_deliver_the_offline_greedy_tokens(server, workload):
                 assert tokens == [tokenizer.decode([t]) for t in want]
             coalesced += len(mine) < max_tokens
     assert coalesced, "no slow reader got several tokens in one chunk"
+
+
+def test_sse_client_reports_an_error_status(server):
+    from hitchllm.entrypoints.sse_client import HTTPStatusError
+
+    async def ask() -> None:
+        host, port, path = split_url(f"{server}/v1")
+        body = json.dumps({"model": "no-such-model", "prompt": "x", "stream": True}).encode()
+        async for _ in stream_events(host, port, f"{path}/completions", body):
+            pass
+
+    with pytest.raises(HTTPStatusError, match="HTTP 404"):
+        asyncio.run(ask())
