@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -206,7 +207,7 @@ def main(argv: list[str]) -> None:
     table = report(rounds)
     print(table)
     if args.append_results:
-        command = "python benchmarks/serve_vs_offline.py " + " ".join(argv)
+        command = shlex.join(["python", "benchmarks/serve_vs_offline.py", *argv])
         with args.append_results.open("a") as f:
             f.write(f"\n### served vs offline {args.label} ({time.strftime('%Y-%m-%d')}, "
                     f"{describe_machine()})\n\n`{command}`\n\n{table}\n")
