@@ -67,6 +67,7 @@ def run_replica(spec: ReplicaSpec, conn: Connection) -> None:
     signal.signal(signal.SIGTERM, lambda *_: None)
     from hitchllm.engine.async_engine import AsyncLLMEngine
     from hitchllm.engine.llm_engine import LLMEngine
+    from hitchllm.entrypoints.openai.api_server import freeze_startup_objects
     from hitchllm.entrypoints.openai.metrics import ServerMetrics
 
     try:
@@ -83,6 +84,7 @@ def run_replica(spec: ReplicaSpec, conn: Connection) -> None:
     metrics = ServerMetrics(spec.metrics_name, spec.max_loras)
     server = _ReplicaServer(spec.index, conn, metrics)
     async_engine = AsyncLLMEngine(engine, on_step=metrics.observe, on_dead=server.engine_died)
+    freeze_startup_objects()
     try:
         conn.send(Ready(os.getpid(), engine.max_model_len, engine.list_loras(),
                         str(engine.device), _gpu_uuids(engine.device)))

@@ -2,9 +2,16 @@
 await per-request output queues and never block it.
 
 Only the engine thread touches the ``LLMEngine``. Handlers send it commands (add, abort,
-beam search) through a thread-safe queue; it answers through ``loop.call_soon_threadsafe``.
-A handler that stops listening (a client disconnected) aborts its request, which frees its KV
-blocks at the start of the engine's next step.
+beam search) through a thread-safe queue; it answers through ``loop.call_soon_threadsafe``,
+once per step for all the step's outputs (each wake-up of the event loop from another thread
+is a system call on both sides and a hand-over of the GIL, and a step may have hundreds of
+outputs). A handler that stops listening (a client disconnected) aborts its request, which
+frees its KV blocks at the start of the engine's next step.
+
+Outputs are cumulative (each carries the whole text and token ids so far), so a request's
+stream keeps only the newest output its handler has not taken yet: a handler slower than the
+engine (a busy event loop, a slow client) gets the tokens of several steps in one output
+instead of falling further behind with a queue of stale ones.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from hitchllm.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
@@ -59,15 +66,45 @@ class _BeamSearch:
     stream: _RequestStream
 
 
-@dataclass
 class _RequestStream:
-    """Where the engine thread delivers one request's outputs (or an exception)."""
+    """Where the engine thread delivers one request's outputs (or an exception, or a beam
+    search's result). Lives on ``loop``: ``push`` and ``get`` run there, ``put`` anywhere.
+    A new ``RequestOutput`` replaces one not yet taken (outputs are cumulative)."""
 
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._items: deque[Any] = deque()
+        self._waiter: asyncio.Future[None] | None = None
 
-    def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def put(self, item: Any) -> None:
+        """Deliver ``item`` from any thread (one wake-up of the loop)."""
+        self.loop.call_soon_threadsafe(self.push, item)
+
+    def push(self, item: Any) -> None:
+        """Deliver ``item`` (on the loop's thread)."""
+        items = self._items
+        if items and isinstance(item, RequestOutput) and isinstance(items[-1], RequestOutput):
+            items[-1] = item
+        else:
+            items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def get(self) -> Any:
+        """The next item: the newest output not yet taken, or an exception."""
+        while not self._items:
+            self._waiter = self.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+
+def _push_all(deliveries: list[tuple[_RequestStream, RequestOutput]]) -> None:
+    """Deliver one step's outputs (on the streams' loop: one wake-up per step)."""
+    for stream, out in deliveries:
+        stream.push(out)
 
 
 StepObserver = Callable[[LLMEngine, list[RequestOutput], float], None]
@@ -154,7 +191,7 @@ class AsyncLLMEngine:
         finished = False
         try:
             while True:
-                item = await stream.queue.get()
+                item = await stream.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -177,7 +214,7 @@ class AsyncLLMEngine:
             raise EngineDeadError(reason)
         stream = _RequestStream(asyncio.get_running_loop())
         self._commands.put(_BeamSearch(prompts, params, stream))
-        item = await stream.queue.get()
+        item = await stream.get()
         if isinstance(item, BaseException):
             raise item
         return item
@@ -206,12 +243,7 @@ class AsyncLLMEngine:
                     self._run_beam_search(self._beam_searches.popleft())
                 elif self.engine.has_unfinished_requests():
                     stepped = self.engine.step()
-                    for out in stepped:
-                        stream = self._streams.get(out.request_id)
-                        if stream is not None:
-                            stream.put(out)
-                            if out.finished:
-                                del self._streams[out.request_id]
+                    self._deliver(stepped)
                     outputs += stepped
                 if self.on_step is not None:
                     try:
@@ -226,6 +258,21 @@ class AsyncLLMEngine:
             self._streams.clear()
             if self.on_dead is not None:
                 self.on_dead(exc)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their streams: one wake-up of each event loop that has
+        any (a server has one)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_RequestStream, RequestOutput]]] = {}
+        streams = self._streams
+        for out in outputs:
+            stream = streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del streams[out.request_id]
+            by_loop.setdefault(stream.loop, []).append((stream, out))
+        for loop, deliveries in by_loop.items():
+            loop.call_soon_threadsafe(_push_all, deliveries)
 
     def _run_beam_search(self, cmd: _BeamSearch) -> None:
         """Run one queued beam search; once none is left, add the requests held back."""

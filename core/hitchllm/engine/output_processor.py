@@ -136,9 +136,12 @@ class OutputProcessor:
                 seq.finish_reason = request.status.finish_reason
                 seq.stop_reason = request.stop_reason
             touched[parent.request_id] = parent
-        outputs = [self._output(p) for p in touched.values() if p.finished or not p.final_only]
+        outputs = []
         for parent in touched.values():
-            if parent.finished:
+            finished = parent.finished
+            if finished or not parent.final_only:
+                outputs.append(self._output(parent, finished))
+            if finished:
                 self._forget(parent)
         return outputs, stopped
 
@@ -166,7 +169,7 @@ class OutputProcessor:
             if seq.finish_reason is None:
                 seq.finish_reason = "abort" if error is None else "error"
         self._forget(parent)
-        out = self._output(parent)
+        out = self._output(parent, finished=True)
         out.error = error
         return out
 
@@ -175,7 +178,7 @@ class OutputProcessor:
         for seq in parent.sequences:
             self._parent_of.pop(seq.request.request_id, None)
 
-    def _output(self, parent: ParentState) -> RequestOutput:
+    def _output(self, parent: ParentState, finished: bool) -> RequestOutput:
         completions = []
         for seq in parent.sequences:
             text = seq.detokenizer.text if seq.detokenizer is not None else ""
@@ -207,7 +210,7 @@ class OutputProcessor:
             prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids,
             outputs=completions,
-            finished=parent.finished,
+            finished=finished,
             num_cached_tokens=parent.sequences[0].request.num_cached_prompt_tokens,
             metrics=metrics,
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import time
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ import numpy as np
 
 from hitchllm.bundled_model import DEFAULT_SERVED_MODEL_NAME
 from hitchllm.entrypoints.machine import describe_machine
+from hitchllm.entrypoints.sse_client import split_url, stream_events
 
 
 @dataclass
@@ -30,6 +32,13 @@ class RequestResult:
     output_tokens: int = 0
     chunk_gaps: list[float] = field(default_factory=list)
     error: str = ""
+
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first (None for a one-token request)."""
+        if self.output_tokens < 2:
+            return None
+        return (self.latency - self.ttft) / (self.output_tokens - 1)
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -62,19 +71,36 @@ def make_workload(args: argparse.Namespace) -> list[tuple[list[int], int]]:
     return work
 
 
-async def _one(client, model: str, prompt: list[int], max_tokens: int) -> RequestResult:
+def arrival_times(args: argparse.Namespace) -> list[float]:
+    """When each request of the workload is sent, in seconds from the start: Poisson arrivals
+    at ``--request-rate`` (all at 0 when it is inf)."""
+    if args.request_rate == float("inf"):
+        return [0.0] * args.num_prompts
+    gaps = np.random.default_rng(args.seed).exponential(1.0 / args.request_rate,
+                                                        args.num_prompts)
+    return [float(t) for t in np.concatenate([[0.0], np.cumsum(gaps[:-1])])]
+
+
+async def _one(base: tuple[str, int, str], headers: dict[str, str], model: str,
+               prompt: list[int], max_tokens: int) -> RequestResult:
+    host, port, path = base
+    body = json.dumps({
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+        "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
+    }).encode()
     start = time.perf_counter()
     result = RequestResult(ok=False)
     last = None
     try:
-        stream = await client.completions.create(
-            model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-        async for chunk in stream:
-            now = time.perf_counter()
-            if chunk.usage is not None:
-                result.output_tokens = chunk.usage.completion_tokens
-            if not chunk.choices or not chunk.choices[0].text:
+        async for now, data in stream_events(host, port, f"{path}/completions", body, headers):
+            if data == b"[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"].get("message", "error event"))
+            if chunk.get("usage"):
+                result.output_tokens = chunk["usage"]["completion_tokens"]
+            if not chunk["choices"] or not chunk["choices"][0]["text"]:
                 continue
             if last is None:
                 result.ttft = now - start
@@ -89,24 +115,21 @@ async def _one(client, model: str, prompt: list[int], max_tokens: int) -> Reques
 
 
 async def run_load(args: argparse.Namespace) -> tuple[list[RequestResult], float]:
-    import openai
-
-    client = openai.AsyncOpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=0,
-                                timeout=600)
+    base = split_url(args.base_url)
+    headers = {"Authorization": f"Bearer {args.api_key}"}
     work = make_workload(args)
-    rng = np.random.default_rng(args.seed)
     limit = asyncio.Semaphore(args.max_concurrency or len(work))
 
     async def limited(prompt: list[int], n_out: int) -> RequestResult:
         async with limit:
-            return await _one(client, args.model, prompt, n_out)
+            return await _one(base, headers, args.model, prompt, n_out)
 
     start = time.perf_counter()
     tasks = []
-    for prompt, n_out in work:
+    for (prompt, n_out), at in zip(work, arrival_times(args), strict=True):
+        if (wait := start + at - time.perf_counter()) > 0:
+            await asyncio.sleep(wait)
         tasks.append(asyncio.create_task(limited(prompt, n_out)))
-        if args.request_rate != float("inf"):
-            await asyncio.sleep(rng.exponential(1.0 / args.request_rate))
     results = await asyncio.gather(*tasks)
     return results, time.perf_counter() - start
 
@@ -119,6 +142,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, float]
     ok = [r for r in results if r.ok]
     gaps = [g for r in ok for g in r.chunk_gaps]
     ttft = [r.ttft for r in ok]
+    tpot = [t for r in ok if (t := r.tpot) is not None]
     e2e = [r.latency for r in ok]
     out_tokens = sum(r.output_tokens for r in ok)
     summary = {
@@ -126,7 +150,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, float]
         "req_per_s": len(ok) / duration, "output_tok_per_s": out_tokens / duration,
         "output_tokens": out_tokens,
     }
-    for name, values in (("ttft", ttft), ("itl", gaps), ("e2e", e2e)):
+    for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", gaps), ("e2e", e2e)):
         for q in (50, 90, 99):
             summary[f"{name}_p{q}_ms"] = _pct(values, q)
     return summary
@@ -138,7 +162,7 @@ def print_table(s: dict[str, float]) -> None:
     print(f"request throughput {s['req_per_s']:.2f} req/s, "
           f"output {s['output_tok_per_s']:.1f} tok/s ({int(s['output_tokens'])} tokens)")
     print(f"{'metric':<8}{'p50 ms':>10}{'p90 ms':>10}{'p99 ms':>10}")
-    for name in ("ttft", "itl", "e2e"):
+    for name in ("ttft", "tpot", "itl", "e2e"):
         print(f"{name:<8}" + "".join(f"{s[f'{name}_p{q}_ms']:>10.1f}" for q in (50, 90, 99)))
 
 
@@ -162,11 +186,11 @@ def append_results(path: Path, args: argparse.Namespace, s: dict[str, float]) ->
         f.write(
             f"\n### bench serve {args.label} ({date.today()}, {describe_machine()})\n\n"
             f"`{_command(args)}`\n\n"
-            "| req/s | output tok/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | "
-            "E2E p50/p90/p99 ms | failed |\n|---|---|---|---|---|---|\n"
+            "| req/s | output tok/s | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms | "
+            "ITL p50/p90/p99 ms | E2E p50/p90/p99 ms | failed |\n|---|---|---|---|---|---|---|\n"
             f"| {s['req_per_s']:.2f} | {s['output_tok_per_s']:.1f} | "
-            + " | ".join("/".join(f"{s[f'{n}_p{q}_ms']:.0f}" for q in (50, 90, 99))
-                         for n in ("ttft", "itl", "e2e"))
+            + " | ".join("/".join(f"{s[f'{n}_p{q}_ms']:.1f}" for q in (50, 90, 99))
+                         for n in ("ttft", "tpot", "itl", "e2e"))
             + f" | {int(s['failed'])} |\n")
 
 

@@ -7,6 +7,7 @@ not collide.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -107,6 +108,13 @@ class ServerMetrics:
         self._totals_of = [self.preemptions, self.prefix_queries, self.prefix_hits,
                            self.spec_drafts, self.spec_draft_tokens, self.spec_accepted,
                            self.prompt_tokens_computed, self.swap_outs, self.swap_ins, *kv]
+        # The per-request series, looked up once (``labels`` takes a lock and builds a key;
+        # these are updated for every request on every step).
+        self._prompt_tokens = self.prompt_tokens.labels(model_name)
+        self._generation_tokens = self.generation_tokens.labels(model_name)
+        self._ttft = self.ttft.labels(model_name)
+        self._itl = self.itl.labels(model_name)
+        self._e2e = self.e2e.labels(model_name)
         self._timing: dict[str, _RequestTiming] = {}
         self._last_totals: tuple[float, ...] = (0,) * len(self._totals_of)
         self._lora: _LoRAMetrics | None = None
@@ -137,33 +145,59 @@ class ServerMetrics:
         self._last_totals = totals
         if self._lora is not None:
             self._lora.observe(stats)
+        # Per step, not per request: the engine thread pays for every call here, and in a
+        # decode step most requests share one gap since their last token.
+        gaps: dict[float, int] = {}
+        generated = 0
         for out in outputs:
-            self._observe_request(out, now)
+            generated += self._observe_request(out, now, gaps)
+        if generated:
+            self._generation_tokens.inc(generated)
+        for gap, count in gaps.items():
+            _observe_many(self._itl, gap, count)
 
-    def _observe_request(self, out: RequestOutput, now: float) -> None:
-        m = self._model
+    def _observe_request(self, out: RequestOutput, now: float, gaps: dict[float, int]) -> int:
+        """Fold one request's output in; returns its new tokens, and counts the inter-token
+        gaps they make in ``gaps`` (gap -> number of tokens)."""
         num_tokens = sum(len(c.token_ids) for c in out.outputs)
         timing = self._timing.get(out.request_id)
         if timing is None:
-            self.prompt_tokens.labels(m).inc(len(out.prompt_token_ids))
+            self._prompt_tokens.inc(len(out.prompt_token_ids))
             first = out.metrics.get("first_token_time")
             if first is not None and num_tokens:
-                self.ttft.labels(m).observe(first - out.metrics["arrival_time"])
+                self._ttft.observe(first - out.metrics["arrival_time"])
             timing = _RequestTiming(now, 0)
             self._timing[out.request_id] = timing
         elif num_tokens > timing.num_tokens:
-            gap = (now - timing.last_time) / (num_tokens - timing.num_tokens)
-            for _ in range(num_tokens - timing.num_tokens):
-                self.itl.labels(m).observe(gap)
-        if num_tokens > timing.num_tokens:
-            self.generation_tokens.labels(m).inc(num_tokens - timing.num_tokens)
+            new = num_tokens - timing.num_tokens
+            gap = (now - timing.last_time) / new
+            gaps[gap] = gaps.get(gap, 0) + new
+        new_tokens = max(0, num_tokens - timing.num_tokens)
+        if new_tokens:
             timing.num_tokens = num_tokens
             timing.last_time = now
         if out.finished:
-            self.e2e.labels(m).observe(now - out.metrics["arrival_time"])
+            self._e2e.observe(now - out.metrics["arrival_time"])
             reason = out.outputs[0].finish_reason if out.outputs else "abort"
-            self.request_success.labels(m, reason or "abort").inc()
+            self.request_success.labels(self._model, reason or "abort").inc()
             del self._timing[out.request_id]
+        return new_tokens
+
+
+def _observe_many(histogram: Histogram, value: float, count: int) -> None:
+    """``count`` observations of ``value``: one bucket update instead of ``count`` calls of
+    ``observe`` (each walks the buckets in Python) when the client library's histogram has
+    the layout it has had since 0.4 (sorted ``_upper_bounds`` ending in +Inf, one
+    ``_buckets`` value each, ``_sum``); else ``observe``, ``count`` times."""
+    bounds = getattr(histogram, "_upper_bounds", None)
+    buckets = getattr(histogram, "_buckets", None)
+    total = getattr(histogram, "_sum", None)
+    if count == 1 or bounds is None or buckets is None or total is None:
+        for _ in range(count):
+            histogram.observe(value)
+        return
+    buckets[bisect.bisect_left(bounds, value)].inc(count)
+    total.inc(value * count)
 
 
 class _LoRAMetrics:

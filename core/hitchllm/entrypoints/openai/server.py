@@ -137,6 +137,8 @@ def _invalid_text_field(value: Any, path: str = "") -> str | None:
             if (found := _invalid_text_field(item, f"{path}.{key}" if path else str(key))):
                 return found
     elif isinstance(value, list):
+        if all(type(item) is int for item in value):  # token ids: nothing to check, and
+            return None  # a prompt of thousands should not cost a call per token
         for i, item in enumerate(value):
             if (found := _invalid_text_field(item, f"{path}[{i}]")):
                 return found
@@ -306,7 +308,7 @@ def build_app(
     return app
 
 
-async def _guarded(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+async def _guarded(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """Stream ``chunks``; a failure mid-stream becomes a final error event."""
     try:
         async for chunk in chunks:

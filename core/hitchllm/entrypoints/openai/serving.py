@@ -19,7 +19,7 @@ from typing import Any
 from hitchllm.engine.engine_client import EngineClient
 from hitchllm.entrypoints.llm import chat_prompt_token_ids
 from hitchllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from hitchllm.entrypoints.openai.streaming import merge, sse, stream_safe_length
+from hitchllm.entrypoints.openai.streaming import merge_latest, sse, stream_safe_length
 from hitchllm.lora import LoRARequest
 from hitchllm.outputs import CompletionOutput, Logprob, RequestOutput
 from hitchllm.sampling_params import SamplingParams
@@ -102,7 +102,7 @@ class OpenAIServing:
             extra["kv_transfer_params"] = kv_transfer_params
         iterators = [self.engine.generate(p, params, lora_request=lora_request, **extra)
                      for p in prompts]
-        merged = merge(iterators)
+        merged = merge_latest(iterators)
         latest: dict[int, RequestOutput] = {}
         try:
             async for i, out in merged:
@@ -132,29 +132,37 @@ class OpenAIServing:
         """(choice index, sequence, new text, new token ids, new logprobs, just finished)
         for every sequence with something to send, in arrival order. Tokens that add no
         text yet (part of a multi-byte character) are sent only when logprobs are wanted."""
+        for i, out in enumerate(batch.latest):
+            for update in self._updates(batch, i, out, stop, n, with_logprobs):
+                yield update
+        async for i, out in batch.rest:
+            for update in self._updates(batch, i, out, stop, n, with_logprobs):
+                yield update
 
-        async def all_outputs() -> AsyncIterator[tuple[int, RequestOutput]]:
-            for i, out in enumerate(batch.latest):
-                yield i, out
-            async for item in batch.rest:
-                yield item
-
-        async for i, out in all_outputs():
-            for seq in out.outputs:
-                cursor = batch.cursors.setdefault((i, seq.index), _SeqCursor())
-                if cursor.finished:
-                    continue
-                finished = seq.finish_reason is not None
-                safe = stream_safe_length(seq.text, stop, finished)
-                new_text = seq.text[cursor.text_len : max(safe, cursor.text_len)]
-                new_ids = seq.token_ids[cursor.num_tokens :]
-                new_lps = (seq.logprobs or [])[cursor.num_tokens :]
-                if not new_text and not finished and not (with_logprobs and new_ids):
-                    continue
-                cursor.text_len += len(new_text)
-                cursor.num_tokens = len(seq.token_ids)
-                cursor.finished = finished
-                yield i * n + seq.index, seq, new_text, new_ids, new_lps, finished
+    @staticmethod
+    def _updates(
+        batch: _Batch, i: int, out: RequestOutput, stop: list[str], n: int, with_logprobs: bool,
+    ) -> list[tuple[int, CompletionOutput, str, list[int], list[Any], bool]]:
+        """``_stream_updates`` of one output of prompt ``i``."""
+        updates = []
+        for seq in out.outputs:
+            cursor = batch.cursors.get((i, seq.index))
+            if cursor is None:
+                cursor = batch.cursors[(i, seq.index)] = _SeqCursor()
+            elif cursor.finished:
+                continue
+            finished = seq.finish_reason is not None
+            safe = stream_safe_length(seq.text, stop, finished)
+            new_text = seq.text[cursor.text_len : max(safe, cursor.text_len)]
+            new_ids = seq.token_ids[cursor.num_tokens :]
+            if not new_text and not finished and not (with_logprobs and new_ids):
+                continue
+            new_lps = seq.logprobs[cursor.num_tokens :] if seq.logprobs else []
+            cursor.text_len += len(new_text)
+            cursor.num_tokens = len(seq.token_ids)
+            cursor.finished = finished
+            updates.append((i * n + seq.index, seq, new_text, new_ids, new_lps, finished))
+        return updates
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -167,7 +175,7 @@ class OpenAIServing:
 
     async def completions(
         self, req: CompletionRequest, lora_request: LoRARequest | None = None
-    ) -> dict[str, Any] | AsyncIterator[str]:
+    ) -> dict[str, Any] | AsyncIterator[bytes]:
         """``/v1/completions``, run with ``lora_request``'s adapter when given."""
         if req.use_beam_search:
             return await self._beam_search_completions(req, lora_request)
@@ -249,7 +257,7 @@ class OpenAIServing:
     async def _stream_whole(
         req: CompletionRequest, head: dict[str, Any], choices: list[dict[str, Any]],
         usage: dict[str, int],
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[bytes]:
         """SSE chunks of an answer that is complete before the first chunk."""
         for choice in choices:
             yield sse({**head, "choices": [choice]})
@@ -259,7 +267,7 @@ class OpenAIServing:
 
     def _stream_completions(
         self, req: CompletionRequest, batch: _Batch, head: dict[str, Any], stop: list[str]
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[bytes]:
         offsets: dict[int, int] = {}
 
         def choice(index: int, text: str, ids: list[int], lps: list[Any]) -> dict[str, Any]:
@@ -284,7 +292,7 @@ class OpenAIServing:
         head: dict[str, Any], stop: list[str], with_logprobs: bool,
         choice: Callable[[int, str, list[int], list[Any]], dict[str, Any]],
         prologue: list[dict[str, Any]],
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[bytes]:
         """SSE chunks: ``prologue`` choices, one chunk per update (``choice`` builds the
         endpoint's fields), optional usage, then ``[DONE]``."""
         try:
@@ -350,7 +358,7 @@ class OpenAIServing:
 
     async def chat(
         self, req: ChatCompletionRequest, lora_request: LoRARequest | None = None
-    ) -> dict[str, Any] | AsyncIterator[str]:
+    ) -> dict[str, Any] | AsyncIterator[bytes]:
         """``/v1/chat/completions``, run with ``lora_request``'s adapter when given."""
         _check_no_streamed_prompt_logprobs(req)
         max_tokens = req.max_completion_tokens or req.max_tokens
@@ -378,7 +386,7 @@ class OpenAIServing:
     def _stream_chat(
         self, req: ChatCompletionRequest, batch: _Batch, rid: str, created: int, model: str,
         stop: list[str],
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[bytes]:
         def choice(index: int, text: str, ids: list[int], lps: list[Any]) -> dict[str, Any]:
             return {
                 "index": index, "delta": {"content": text} if text else {},

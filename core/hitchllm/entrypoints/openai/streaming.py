@@ -5,53 +5,89 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-_DONE = object()
+
+def _json_encoder() -> Callable[[Any], bytes]:
+    """orjson when it is installed (several times faster per chunk than ``json``; it writes a
+    non-finite number as null where ``json`` writes the non-standard -Infinity), else
+    ``json``; both write UTF-8 text as it is, unescaped."""
+    try:
+        import orjson
+    except ImportError:
+        return lambda payload: json.dumps(payload, ensure_ascii=False).encode()
+    return orjson.dumps
 
 
-def sse(payload: dict[str, Any] | str) -> str:
+_encode_json = _json_encoder()
+
+
+def sse(payload: dict[str, Any] | str) -> bytes:
     """One server-sent event carrying ``payload`` (a JSON object, or a literal like [DONE])."""
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
-    return f"data: {data}\n\n"
+    data = payload.encode() if isinstance(payload, str) else _encode_json(payload)
+    return b"data: " + data + b"\n\n"
 
 
-async def merge(iterators: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
-    """Items of several async iterators as they come, tagged with the iterator's index.
+async def merge_latest(iterators: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Items of several async iterators of cumulative snapshots (each item supersedes the
+    ones before it from the same iterator), tagged with the iterator's index: in the order
+    they come, but of each iterator only the newest item not yet taken, so a slow consumer
+    skips stale snapshots instead of falling behind. An iterator that raises ends the merge
+    with its exception.
 
     Closing the merged iterator early cancels the readers, which closes each source (so the
     engine aborts the requests behind them).
     """
-    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    if len(iterators) == 1:  # no readers needed: the source itself keeps only the newest
+        [it] = iterators
+        try:
+            async for item in it:
+                yield 0, item
+        finally:
+            await it.aclose()  # type: ignore[attr-defined]
+        return
+    pending: dict[int, Any] = {}  # iterator index -> newest item not taken, in arrival order
+    wake = asyncio.Event()
 
     async def pump(i: int, it: AsyncIterator[T]) -> None:
         try:
             async for item in it:
-                await queue.put((i, item))
+                pending[i] = item
+                wake.set()
         except BaseException as exc:
-            await queue.put((i, exc))
+            pending[i] = _Failed(exc)
             raise
         finally:
-            await queue.put((i, _DONE))
+            finished.add(i)
+            wake.set()
 
+    finished: set[int] = set()
     tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(iterators)]
-    remaining = len(tasks)
     try:
-        while remaining:
-            i, item = await queue.get()
-            if item is _DONE:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
+        while True:
+            if not pending:
+                if len(finished) == len(tasks):
+                    return
+                wake.clear()
+                await wake.wait()
+                continue
+            i = next(iter(pending))
+            item = pending.pop(i)
+            if isinstance(item, _Failed):
+                raise item.exc
+            yield i, item
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _Failed:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
 
 
 def stream_safe_length(text: str, stop: list[str], finished: bool) -> int:
