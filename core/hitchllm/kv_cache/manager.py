@@ -240,6 +240,12 @@ class KVCacheManager:
         """Whether the request is swapped out (its KV waits in the host pool)."""
         return self.host is not None and self.host.is_swapped(request_id)
 
+    def keeps_device_blocks(self, request_id: str) -> bool:
+        """Whether the request is swapped out keeping device blocks (shared when it was
+        swapped out; recomputing it frees its references)."""
+        return (self.host is not None and self.host.is_swapped(request_id)
+                and any(e.device is not None for e in self.host.entries(request_id)))
+
     def swap_out(self, request: Request) -> bool:
         """Preempt ``request`` by swap: its blocks held alone go to host blocks and are freed
         on the device, shared ones stay referenced (see ``host_swap``). Its computed tokens

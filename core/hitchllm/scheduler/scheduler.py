@@ -237,6 +237,8 @@ class Scheduler:
             num_known = request.num_tokens - request.num_computed_tokens
             del request.spec_token_ids[max(0, num_new - num_known):]
             while not self.kv_cache.allocate_slots(request, num_new):
+                if self._recompute_swapped_if_stuck(request):
+                    continue  # blocks only swapped-out requests kept are free now
                 # Only requests not yet scheduled this step may be preempted: blocks of a
                 # scheduled one may already be shared with (and relied on by) this step.
                 victim = self.config.policy.pick_victim(
@@ -376,13 +378,13 @@ class Scheduler:
         self._start_running(request)
         return num_new
 
-    def _recompute_swapped_if_stuck(self) -> bool:
-        """When nothing runs (so no block will be freed) and a waiting request does not fit,
-        the device blocks that swapped-out requests kept (shared when they were swapped out)
-        may be what fills the cache: recompute every swapped-out request, freeing them. True
-        if there were any."""
-        if self.running or not any(self.kv_cache.is_swapped(r.request_id)
-                                   for r in self.waiting):
+    def _recompute_swapped_if_stuck(self, request: Request | None = None) -> bool:
+        """When nothing runs but ``request`` (so no other block will be freed) and a request
+        does not fit (a waiting one, or ``request`` itself growing), the device blocks that
+        swapped-out requests kept (shared when they were swapped out) may be what fills the
+        cache: recompute every swapped-out request, freeing them. True if any kept one."""
+        if any(r is not request for r in self.running) or not any(
+                self.kv_cache.keeps_device_blocks(r.request_id) for r in self.waiting):
             return False
         self._recompute_swapped()
         return True
