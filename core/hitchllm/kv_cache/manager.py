@@ -163,8 +163,8 @@ class KVCacheManager:
         return True
 
     def reserve_blocks(self, request: Request, num_tokens: int) -> bool:
-        """Give ``request`` (which holds no block) fresh blocks for ``num_tokens`` tokens whose
-        KV another engine will send (disaggregated decode). They are not offered to the prefix
+        """Give ``request`` (which holds no block) fresh blocks for ``num_tokens`` tokens, for
+        KV that another engine will send (disaggregated decode). They are not offered to the prefix
         cache until the request computes on (``allocate_slots``), so no other request can hit
         them before the KV is in. Returns False, changing nothing, when too few are free."""
         if request.request_id in self._blocks:
