@@ -776,7 +776,7 @@ class LLMEngine:
             )
         return EngineStats(
             num_running=len(s.running),
-            num_waiting=len(s.waiting),
+            num_waiting=s.num_waiting,
             kv_cache_usage=self.kv_cache.usage,
             num_preemptions=s.stats.num_preemptions,
             prefix_cache_queries=self.kv_cache.prefix_cache_queries,

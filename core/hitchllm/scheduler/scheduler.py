@@ -315,8 +315,15 @@ class Scheduler:
         if self.kv_transfer is not None:
             self.kv_transfer.fill_plan(plan)
         self.stats.num_running = len(self.running)
-        self.stats.num_waiting = len(self.waiting)
+        self.stats.num_waiting = self.num_waiting
         return plan
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not running: those queued and those waiting for their KV (a consumer's,
+        outside the queues)."""
+        receiving = 0 if self.kv_transfer is None else len(self.kv_transfer.receiving)
+        return len(self.waiting) + receiving
 
     def _micro_batch_shares(self) -> tuple[int, int]:
         """The most running requests one step schedules, and the most requests in all (the
