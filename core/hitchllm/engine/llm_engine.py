@@ -120,7 +120,7 @@ class EngineStats:
     # scheduling launches a step before the previous one completes).
     max_steps_in_flight: int = 0
     # Swap preemption (all 0 with preemption_mode=recompute): requests swapped out and back
-    # in, preemptions recomputed because the host pool was full, and the host pool's blocks
+    # in, requests recomputed instead (see ``SchedulerStats``), and the host pool's blocks
     # (per worker) held by swapped-out requests and in all.
     num_swap_outs: int = 0
     num_swap_ins: int = 0

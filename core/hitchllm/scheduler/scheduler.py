@@ -98,8 +98,10 @@ class SchedulerStats:
     # Prompt tokens scheduled for computation (prefix-cache hits and KV received from a
     # producer are not computed).
     num_prompt_tokens_computed: int = 0
-    # Swap preemption: requests swapped out to and back in from the host pool, and
-    # preemptions that wanted to swap but were recomputed because the host pool was full.
+    # Swap preemption: requests swapped out to and back in from the host pool, and requests
+    # recomputed instead: preemptions that wanted to swap but found the host pool full, and
+    # swapped-out requests turned into ones to recompute (after a failed step, or when the
+    # device blocks they kept stopped every other request).
     num_swap_outs: int = 0
     num_swap_ins: int = 0
     num_swap_fallbacks: int = 0
