@@ -23,7 +23,8 @@ recomputed instead.
 
 With a KV connector (disaggregated serving, ``hitchllm.kv_transfer``), a producer keeps a
 finished request's blocks until its KV is saved, and a consumer reserves blocks for a request's
-incoming KV and holds it out of the queues until the KV is in (``KVTransferScheduling``).
+incoming KV and holds it out of the queues until the KV is in (``KVTransferScheduling``); a
+request whose KV is in holds its blocks, so it is admitted before the other waiting requests.
 
 Admission gates (``hitchllm.scheduler.admission``) from plugins may hold a waiting request
 back for a step (the LoRA plugin does while every adapter slot serves other adapters); the
@@ -254,8 +255,12 @@ class Scheduler:
                 budget -= num_new
                 index += 1
 
-        # Admitting new work right after a preemption would only thrash the cache.
-        for request in [] if preempted_any else self._admission_candidates(allowed):
+        # Admitting new work right after a preemption would only thrash the cache, unless
+        # nothing is left to run: then the blocks that stopped the running requests are held
+        # by waiting ones (a consumer's loaded requests), which only admission runs.
+        stalled = preempted_any and not scheduled
+        for request in [] if preempted_any and not stalled else (
+                self._admission_candidates(allowed)):
             if (budget <= 0 or len(self.running) >= self.config.max_num_seqs
                     or len(scheduled) >= max_rows):
                 break
@@ -409,10 +414,15 @@ class Scheduler:
 
     def _admission_candidates(self, allowed: set[Request] | None) -> list[Request]:
         """The waiting requests that may be admitted, in queue order (a snapshot: admitting
-        one changes the queue). While suspects run apart, only the current group's."""
-        if allowed is None:
-            return list(self.waiting)
-        return [r for r in self.waiting if r in allowed]
+        one changes the queue). While suspects run apart, only the current group's. Requests
+        whose KV arrived from a producer come first: they hold their blocks already, so they
+        need none to run, and a request ahead of them that needs their blocks would otherwise
+        wait for them forever."""
+        candidates = list(self.waiting) if allowed is None else [
+            r for r in self.waiting if r in allowed]
+        if self.kv_transfer is not None:
+            candidates.sort(key=lambda r: not self.kv_transfer.is_loaded(r))  # stable
+        return candidates
 
     def _allocate_for_admission(
         self, request: Request, num_new: int, hit_blocks: list, allowed: set[Request] | None,
