@@ -120,7 +120,7 @@ class EngineStats:
     # scheduling launches a step before the previous one completes).
     max_steps_in_flight: int = 0
     # Swap preemption (all 0 with preemption_mode=recompute): requests swapped out and back
-    # in, preemptions recomputed because the host pool was full, and the host pool's blocks
+    # in, requests recomputed instead (see ``SchedulerStats``), and the host pool's blocks
     # (per worker) held by swapped-out requests and in all.
     num_swap_outs: int = 0
     num_swap_ins: int = 0
@@ -776,7 +776,7 @@ class LLMEngine:
             )
         return EngineStats(
             num_running=len(s.running),
-            num_waiting=len(s.waiting),
+            num_waiting=s.num_waiting,
             kv_cache_usage=self.kv_cache.usage,
             num_preemptions=s.stats.num_preemptions,
             prefix_cache_queries=self.kv_cache.prefix_cache_queries,

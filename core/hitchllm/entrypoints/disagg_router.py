@@ -8,7 +8,8 @@ answers with the ``kv_transfer_params`` a consumer needs. The same request then 
 decode instance (``--kv-role consumer``) with those params; its answer, streamed or not, is
 passed to the client unchanged. An error of either instance is the client's answer. If the
 prefill answer carries no params (the prefill instance is not a producer), the decode
-instance computes the prompt itself, and the router logs it.
+instance computes the prompt itself, and the router logs it. A request for several sequences
+(``n`` > 1) goes to the decode instance alone: KV moves for one sequence only.
 """
 
 from __future__ import annotations
@@ -36,6 +37,14 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in body.items() if k not in _PREFILL_DROPPED}
     out.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
     return out
+
+
+def _num_sequences(body: dict[str, Any]) -> int:
+    """The sequences a request asks for. KV moves for one sequence only (engines refuse
+    ``kv_transfer_params`` with ``n > 1``): a request for more goes to the decode instance
+    alone, which computes its prompt."""
+    counts = [body.get(key) for key in ("n", "best_of")]
+    return max([c for c in counts if isinstance(c, int)] or [1])
 
 
 def build_router_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0) -> FastAPI:
@@ -68,16 +77,19 @@ def build_router_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0
                                            "type": "invalid_request_error"}}, status_code=400)
         http = clients["http"]
         sent = headers(request)
-        async with http.post(prefill_url + path, json=prefill_body(body), headers=sent) as r:
-            answer = await r.read()
-            if r.status != 200:
-                return Response(answer, status_code=r.status,
-                                media_type=r.headers.get("content-type"))
-        params = json.loads(answer).get("kv_transfer_params")
-        if params is None:
-            logger.warning("the prefill instance %s returned no kv_transfer_params (is it "
-                           "started with --kv-role producer?); the decode instance computes "
-                           "the prompt", prefill_url)
+        params = None
+        if _num_sequences(body) == 1:
+            async with http.post(prefill_url + path, json=prefill_body(body),
+                                 headers=sent) as r:
+                answer = await r.read()
+                if r.status != 200:
+                    return Response(answer, status_code=r.status,
+                                    media_type=r.headers.get("content-type"))
+            params = json.loads(answer).get("kv_transfer_params")
+            if params is None:
+                logger.warning("the prefill instance %s returned no kv_transfer_params (is it "
+                               "started with --kv-role producer?); the decode instance "
+                               "computes the prompt", prefill_url)
         decode = {**body, "kv_transfer_params": params}
         if decode["kv_transfer_params"] is None:
             del decode["kv_transfer_params"]

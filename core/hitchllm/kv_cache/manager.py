@@ -163,8 +163,8 @@ class KVCacheManager:
         return True
 
     def reserve_blocks(self, request: Request, num_tokens: int) -> bool:
-        """Give ``request`` (which holds no block) fresh blocks for ``num_tokens`` tokens whose
-        KV another engine will send (disaggregated decode). They are not offered to the prefix
+        """Give ``request`` (which holds no block) fresh blocks for ``num_tokens`` tokens, for
+        KV that another engine will send (disaggregated decode). They are not offered to the prefix
         cache until the request computes on (``allocate_slots``), so no other request can hit
         them before the KV is in. Returns False, changing nothing, when too few are free."""
         if request.request_id in self._blocks:
@@ -239,6 +239,12 @@ class KVCacheManager:
     def is_swapped(self, request_id: str) -> bool:
         """Whether the request is swapped out (its KV waits in the host pool)."""
         return self.host is not None and self.host.is_swapped(request_id)
+
+    def keeps_device_blocks(self, request_id: str) -> bool:
+        """Whether the request is swapped out keeping device blocks (shared when it was
+        swapped out; recomputing it frees its references)."""
+        return (self.host is not None and self.host.is_swapped(request_id)
+                and any(e.device is not None for e in self.host.entries(request_id)))
 
     def swap_out(self, request: Request) -> bool:
         """Preempt ``request`` by swap: its blocks held alone go to host blocks and are freed

@@ -6,12 +6,13 @@ blocks until the next plan carries its ``KVSave``; the blocks are freed right af
 is built, so the runner copies them out before any later step can reuse them.
 
 Consumer: a waiting request that arrives with the producer's transfer params gets blocks for
-all of its prompt but the last token (whose logits the consumer computes itself, to sample the
-first token) and waits in ``WAITING_FOR_REMOTE_KV`` outside the queues while the connector
-receives. When the runner reports it here, the request goes back to the front of the waiting
-queue with those tokens computed, and the next plan has the runner copy the KV into its blocks
-before the forward that computes the last prompt token. A load that fails, or is not here
-within ``kv_load_timeout_s``, is cancelled and the request computes its prompt itself (logged).
+its prompt, receives the KV of all of it but the last token (whose logits the consumer computes
+itself, to sample the first token) and waits in ``WAITING_FOR_REMOTE_KV`` outside the queues
+while the connector receives. When the runner reports it here, the request goes back to the
+front of the waiting queue with those tokens computed, and the next plan has the runner copy
+the KV into its blocks before the forward that computes the last prompt token. A load that
+fails, or is not here within ``kv_load_timeout_s``, is cancelled and the request computes its
+prompt itself (logged).
 """
 
 from __future__ import annotations
@@ -78,17 +79,21 @@ class KVTransferScheduling:
 
     def reserve(self, request: Request) -> bool:
         """Reserve blocks for ``request``'s incoming KV and plan the load; False (nothing
-        changed) when too few blocks are free."""
+        changed) when too few blocks are free. The blocks cover the whole prompt, its last
+        token's slot included: a request whose KV arrived then computes that token in blocks
+        it holds, so reservations that fill the cache can never keep every one of them from
+        running (waiting requests cannot be preempted to make room)."""
         num_tokens = num_transfer_tokens(request)
-        if not self.kv_cache.reserve_blocks(request, num_tokens):
+        if not self.kv_cache.reserve_blocks(request, request.num_prompt_tokens):
             return False
         rid = request.request_id
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.receiving[rid] = request
         self._deadlines[rid] = self.clock() + self.config.kv_load_timeout_s
         assert request.kv_transfer_params is not None
-        self._loads.append(KVLoad(rid, list(self.kv_cache.get_block_ids(rid)), num_tokens,
-                                  dict(request.kv_transfer_params)))
+        num_blocks = -(-num_tokens // self.kv_cache.block_size)  # those the KV fills
+        self._loads.append(KVLoad(rid, list(self.kv_cache.get_block_ids(rid)[:num_blocks]),
+                                  num_tokens, dict(request.kv_transfer_params)))
         return True
 
     def update(self, events: KVTransferEvents) -> list[Request]:

@@ -23,7 +23,8 @@ recomputed instead.
 
 With a KV connector (disaggregated serving, ``hitchllm.kv_transfer``), a producer keeps a
 finished request's blocks until its KV is saved, and a consumer reserves blocks for a request's
-incoming KV and holds it out of the queues until the KV is in (``KVTransferScheduling``).
+incoming KV and holds it out of the queues until the KV is in (``KVTransferScheduling``); a
+request whose KV is in holds its blocks, so it is admitted before the other waiting requests.
 
 Admission gates (``hitchllm.scheduler.admission``) from plugins may hold a waiting request
 back for a step (the LoRA plugin does while every adapter slot serves other adapters); the
@@ -98,8 +99,10 @@ class SchedulerStats:
     # Prompt tokens scheduled for computation (prefix-cache hits and KV received from a
     # producer are not computed).
     num_prompt_tokens_computed: int = 0
-    # Swap preemption: requests swapped out to and back in from the host pool, and
-    # preemptions that wanted to swap but were recomputed because the host pool was full.
+    # Swap preemption: requests swapped out to and back in from the host pool, and requests
+    # recomputed instead: preemptions that wanted to swap but found the host pool full, and
+    # swapped-out requests turned into ones to recompute (after a failed step, or when the
+    # device blocks they kept stopped every other request).
     num_swap_outs: int = 0
     num_swap_ins: int = 0
     num_swap_fallbacks: int = 0
@@ -237,6 +240,8 @@ class Scheduler:
             num_known = request.num_tokens - request.num_computed_tokens
             del request.spec_token_ids[max(0, num_new - num_known):]
             while not self.kv_cache.allocate_slots(request, num_new):
+                if self._recompute_swapped_if_stuck(request):
+                    continue  # blocks only swapped-out requests kept are free now
                 # Only requests not yet scheduled this step may be preempted: blocks of a
                 # scheduled one may already be shared with (and relied on by) this step.
                 victim = self.config.policy.pick_victim(
@@ -250,8 +255,12 @@ class Scheduler:
                 budget -= num_new
                 index += 1
 
-        # Admitting new work right after a preemption would only thrash the cache.
-        for request in [] if preempted_any else self._admission_candidates(allowed):
+        # Admitting new work right after a preemption would only thrash the cache, unless
+        # nothing is left to run: then the blocks that stopped the running requests are held
+        # by waiting ones (a consumer's loaded requests), which only admission runs.
+        stalled = preempted_any and not scheduled
+        for request in [] if preempted_any and not stalled else (
+                self._admission_candidates(allowed)):
             if (budget <= 0 or len(self.running) >= self.config.max_num_seqs
                     or len(scheduled) >= max_rows):
                 break
@@ -313,8 +322,15 @@ class Scheduler:
         if self.kv_transfer is not None:
             self.kv_transfer.fill_plan(plan)
         self.stats.num_running = len(self.running)
-        self.stats.num_waiting = len(self.waiting)
+        self.stats.num_waiting = self.num_waiting
         return plan
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not running: those queued and those waiting for their KV (a consumer's,
+        outside the queues)."""
+        receiving = 0 if self.kv_transfer is None else len(self.kv_transfer.receiving)
+        return len(self.waiting) + receiving
 
     def _micro_batch_shares(self) -> tuple[int, int]:
         """The most running requests one step schedules, and the most requests in all (the
@@ -376,13 +392,13 @@ class Scheduler:
         self._start_running(request)
         return num_new
 
-    def _recompute_swapped_if_stuck(self) -> bool:
-        """When nothing runs (so no block will be freed) and a waiting request does not fit,
-        the device blocks that swapped-out requests kept (shared when they were swapped out)
-        may be what fills the cache: recompute every swapped-out request, freeing them. True
-        if there were any."""
-        if self.running or not any(self.kv_cache.is_swapped(r.request_id)
-                                   for r in self.waiting):
+    def _recompute_swapped_if_stuck(self, request: Request | None = None) -> bool:
+        """When nothing runs but ``request`` (so no other block will be freed) and a request
+        does not fit (a waiting one, or ``request`` itself growing), the device blocks that
+        swapped-out requests kept (shared when they were swapped out) may be what fills the
+        cache: recompute every swapped-out request, freeing them. True if any kept one."""
+        if any(r is not request for r in self.running) or not any(
+                self.kv_cache.keeps_device_blocks(r.request_id) for r in self.waiting):
             return False
         self._recompute_swapped()
         return True
@@ -398,10 +414,15 @@ class Scheduler:
 
     def _admission_candidates(self, allowed: set[Request] | None) -> list[Request]:
         """The waiting requests that may be admitted, in queue order (a snapshot: admitting
-        one changes the queue). While suspects run apart, only the current group's."""
-        if allowed is None:
-            return list(self.waiting)
-        return [r for r in self.waiting if r in allowed]
+        one changes the queue). While suspects run apart, only the current group's. Requests
+        whose KV arrived from a producer come first: they hold their blocks already, so they
+        need none to run, and a request ahead of them that needs their blocks would otherwise
+        wait for them forever."""
+        candidates = list(self.waiting) if allowed is None else [
+            r for r in self.waiting if r in allowed]
+        if self.kv_transfer is not None:
+            candidates.sort(key=lambda r: not self.kv_transfer.is_loaded(r))  # stable
+        return candidates
 
     def _allocate_for_admission(
         self, request: Request, num_new: int, hit_blocks: list, allowed: set[Request] | None,
