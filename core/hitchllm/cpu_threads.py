@@ -134,10 +134,11 @@ def parse_cpu_list(text: str) -> list[int]:
 def resolve_cpu_threads(
     cpu_threads: int | None,
     environ: dict[str, str] | os._Environ[str] = os.environ,
-    usable: Callable[[], int] = usable_cpus,
+    usable: Callable[[], int] | None = None,
 ) -> tuple[int | None, str]:
     """The torch threads for a CPU engine and where the number comes from; None (with the
-    reason) when torch's own choice stands (``OMP_NUM_THREADS`` is set)."""
+    reason) when torch's own choice stands (``OMP_NUM_THREADS`` is set). ``usable`` counts
+    the usable cores (default ``usable_cpus``)."""
     if cpu_threads is not None:
         return cpu_threads, "cpu_threads"
     bind = environ.get(THREADS_BIND_ENV, "").strip()
@@ -151,7 +152,7 @@ def resolve_cpu_threads(
     except ValueError:
         raise ValueError(f"{RESERVED_CPUS_ENV}={reserved_text!r} is not a number of cores; "
                          "write e.g. 1 (or unset it)") from None
-    cores = usable()
+    cores = (usable or usable_cpus)()
     return max(1, cores - reserved), f"{cores} usable cores less {reserved} reserved"
 
 
