@@ -66,22 +66,27 @@ def test_a_two_cpu_quota_on_a_64_core_host_gives_two_threads(tmp_path, monkeypat
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     assert usable_cpus(cgroup_v2(tmp_path / "eight", {".": "800000 100000"})) == 4
     env: dict[str, str] = {}
-    assert resolve_cpu_threads(None, env, lambda: usable_cpus(quota2))[0] == 2
+    assert resolve_cpu_threads(None, False, env, lambda: usable_cpus(quota2))[0] == 2
+    # One of them left to the engine loop when the model runs on its own thread.
+    assert resolve_cpu_threads(None, True, env, lambda: usable_cpus(quota2))[0] == 1
 
 
 def test_overrides_in_order(monkeypatch):
     usable = lambda: 16  # noqa: E731
-    assert resolve_cpu_threads(3, {THREADS_BIND_ENV: "0-7", "OMP_NUM_THREADS": "5"},
+    assert resolve_cpu_threads(3, True, {THREADS_BIND_ENV: "0-7", "OMP_NUM_THREADS": "5"},
                                usable) == (3, "cpu_threads")
-    assert resolve_cpu_threads(None, {THREADS_BIND_ENV: "0-3,8", "OMP_NUM_THREADS": "5"},
+    assert resolve_cpu_threads(None, True, {THREADS_BIND_ENV: "0-3,8", "OMP_NUM_THREADS": "5"},
                                usable) == (5, THREADS_BIND_ENV)
-    assert resolve_cpu_threads(None, {THREADS_BIND_ENV: "auto", "OMP_NUM_THREADS": "5"},
+    assert resolve_cpu_threads(None, True, {THREADS_BIND_ENV: "auto", "OMP_NUM_THREADS": "5"},
                                usable) == (None, "OMP_NUM_THREADS")
-    assert resolve_cpu_threads(None, {}, usable)[0] == 16
-    assert resolve_cpu_threads(None, {RESERVED_CPUS_ENV: "1"}, usable)[0] == 15
-    assert resolve_cpu_threads(None, {RESERVED_CPUS_ENV: "4"}, lambda: 2)[0] == 1
+    assert resolve_cpu_threads(None, False, {}, usable)[0] == 16
+    assert resolve_cpu_threads(None, True, {}, usable)[0] == 15
+    assert resolve_cpu_threads(None, True, {}, lambda: 1)[0] == 1  # one core: it is shared
+    assert resolve_cpu_threads(None, True, {RESERVED_CPUS_ENV: "0"}, usable)[0] == 16
+    assert resolve_cpu_threads(None, False, {RESERVED_CPUS_ENV: "2"}, usable)[0] == 14
+    assert resolve_cpu_threads(None, True, {RESERVED_CPUS_ENV: "4"}, lambda: 2)[0] == 1
     with pytest.raises(ValueError, match=RESERVED_CPUS_ENV):
-        resolve_cpu_threads(None, {RESERVED_CPUS_ENV: "one"}, usable)
+        resolve_cpu_threads(None, True, {RESERVED_CPUS_ENV: "one"}, usable)
 
 
 def test_core_lists():
@@ -107,7 +112,9 @@ def test_engine_sets_torch_threads(llama_path, monkeypatch):
         LLM(llama_path, cpu_threads=1)
         assert torch.get_num_threads() == 1
         monkeypatch.setattr("hitchllm.cpu_threads.usable_cpus", lambda: 3)
-        LLM(llama_path)
+        LLM(llama_path, async_scheduling=False)
         assert torch.get_num_threads() == 3
+        LLM(llama_path)  # the model on a thread of its own: one core left to the loop
+        assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)

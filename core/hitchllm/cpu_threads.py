@@ -15,7 +15,8 @@ Two policies, both for an engine that shares its CPU (docs/performance.md, "CPU"
   torch threads from it: ``cpu_threads`` (``--cpu-threads``) first, then vLLM's
   ``VLLM_CPU_OMP_THREADS_BIND`` (a core list such as ``0-3,8``: its number of cores), then
   ``OMP_NUM_THREADS`` (torch has already read it), else every usable core less
-  ``VLLM_CPU_NUM_OF_RESERVED_CPU`` (default ``DEFAULT_RESERVED_CPUS``).
+  ``VLLM_CPU_NUM_OF_RESERVED_CPU`` (default: ``DEFAULT_RESERVED_CPUS`` when the model runs on
+  a thread of its own, overlapping the engine loop, else 0), at least one.
 
 This module imports no torch: the command reads it before torch loads.
 """
@@ -32,9 +33,11 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
-# Cores left to the engine loop by default (scheduling, detokenizing, building outputs run
-# there while the model runs on the others); chosen by measurement, docs/performance.md.
-DEFAULT_RESERVED_CPUS = 0
+# Cores left to the engine loop by default when the model runs on a thread of its own
+# (overlap: scheduling, input preparation, detokenizing and building outputs run there while
+# the model runs on the others); chosen by measurement, docs/performance.md. Without overlap
+# the loop runs between forwards and nothing is reserved.
+DEFAULT_RESERVED_CPUS = 1
 THREADS_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 RESERVED_CPUS_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 
@@ -133,12 +136,14 @@ def parse_cpu_list(text: str) -> list[int]:
 
 def resolve_cpu_threads(
     cpu_threads: int | None,
+    overlap: bool = False,
     environ: dict[str, str] | os._Environ[str] = os.environ,
     usable: Callable[[], int] | None = None,
 ) -> tuple[int | None, str]:
     """The torch threads for a CPU engine and where the number comes from; None (with the
-    reason) when torch's own choice stands (``OMP_NUM_THREADS`` is set). ``usable`` counts
-    the usable cores (default ``usable_cpus``)."""
+    reason) when torch's own choice stands (``OMP_NUM_THREADS`` is set). ``overlap``: the
+    model runs on a thread of its own while the engine loop works (a core is left to the
+    loop). ``usable`` counts the usable cores (default ``usable_cpus``)."""
     if cpu_threads is not None:
         return cpu_threads, "cpu_threads"
     bind = environ.get(THREADS_BIND_ENV, "").strip()
@@ -148,7 +153,8 @@ def resolve_cpu_threads(
         return None, "OMP_NUM_THREADS"
     reserved_text = environ.get(RESERVED_CPUS_ENV)
     try:
-        reserved = DEFAULT_RESERVED_CPUS if reserved_text is None else int(reserved_text)
+        reserved = (int(reserved_text) if reserved_text is not None
+                    else DEFAULT_RESERVED_CPUS if overlap else 0)
     except ValueError:
         raise ValueError(f"{RESERVED_CPUS_ENV}={reserved_text!r} is not a number of cores; "
                          "write e.g. 1 (or unset it)") from None
@@ -156,11 +162,11 @@ def resolve_cpu_threads(
     return max(1, cores - reserved), f"{cores} usable cores less {reserved} reserved"
 
 
-def apply_cpu_threads(cpu_threads: int | None) -> int:
+def apply_cpu_threads(cpu_threads: int | None, overlap: bool) -> int:
     """Give torch the threads ``resolve_cpu_threads`` chooses; returns torch's thread count."""
     import torch
 
-    threads, source = resolve_cpu_threads(cpu_threads)
+    threads, source = resolve_cpu_threads(cpu_threads, overlap)
     if threads is not None and threads != torch.get_num_threads():
         torch.set_num_threads(threads)
     logger.info("CPU: %d torch threads (%s), OMP_WAIT_POLICY=%s", torch.get_num_threads(),

@@ -197,7 +197,10 @@ class LLMEngine:
             kv_engine_id="" if self.kv_params is None else self.kv_params.engine_id,
         )
         if self.device.type == "cpu":
-            apply_cpu_threads(config.cpu_threads)
+            # Overlapped steps run the model on a thread of its own (below): a core is left
+            # to the engine loop. With tensor parallelism the workers share the threads out.
+            apply_cpu_threads(config.cpu_threads, overlap=self._overlaps(config)
+                              and config.speculative_method is None)
         self.proposer: Proposer | None = None
         if config.distributed_executor_backend == "ray":
             # The model lives in Ray actors (at any tensor_parallel_size: Ray was asked for).
