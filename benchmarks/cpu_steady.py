@@ -93,7 +93,8 @@ def child(args: argparse.Namespace) -> None:
     tokens = [list(r.outputs[0].token_ids) for r in results]
     print(json.dumps({
         "tok_s": sum(map(len, tokens)) / seconds, "seconds": seconds, "start_s": warm,
-        "threads": torch.get_num_threads(), "digest": zlib.crc32(repr(tokens).encode()),
+        "threads": torch.get_num_threads(), "backend": llm.engine.attention_backend.name,
+        "digest": zlib.crc32(repr(tokens).encode()),
     }))
 
 
@@ -182,7 +183,8 @@ def main() -> None:
                         runs.setdefault((model, load, config), []).append(res)
                         print(f"round {r + 1} {model:8s} {load:5s} {config:10s} "
                               f"{res['tok_s']:8.1f} tok/s ({res['threads']} threads, "
-                              f"start {res['start_s']:.1f} s)", flush=True)
+                              f"{res.get('backend')}, start {res['start_s']:.1f} s)",
+                              flush=True)
     lines = table(runs, models, loads, configs)
     print("\n".join(lines))
     if args.results:
