@@ -103,7 +103,7 @@ def test_each_replica_gets_its_own_gpus_or_its_share_of_cores(monkeypatch):
     with pytest.raises(ValueError, match="pins one GPU"):
         replica_environments(EngineConfig(device="cuda:1"), 2)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.setattr("hitchllm.data_parallel.placement.usable_cpus", lambda: 8)
     cpu = EngineConfig(device="cpu")
     assert replica_environments(cpu, 2) == [{"OMP_NUM_THREADS": "4"}] * 2
     assert replica_environments(cpu, 16) == [{"OMP_NUM_THREADS": "1"}] * 16

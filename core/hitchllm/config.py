@@ -168,8 +168,12 @@ class EngineConfig(BaseModel):
     # into fused kernels with torch.compile (applies to every engine in the process).
     enable_fusion: bool = True
     # Schedule and prepare step n+1 while the device runs step n (ignored with speculative
-    # decoding, which needs each step's tokens before proposing).
+    # decoding, which needs each step's tokens before proposing). On the CPU the model then
+    # runs on a worker thread of its own while the engine's thread does the host work.
     async_scheduling: bool = True
+    # CPU: torch threads for the model (default: the cores this process may use, from its
+    # CPU affinity and cgroup CPU quota; see hitchllm.cpu_threads). Process-wide.
+    cpu_threads: int | None = Field(None, ge=1)
     # Decode batch sizes to capture (default: 1, 2, 4, 8, 16, ... up to max_num_seqs).
     cuda_graph_sizes: list[int] | None = None
     # Tensor parallelism: every layer's weights, attention heads and KV cache split over this

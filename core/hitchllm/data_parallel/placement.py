@@ -6,12 +6,14 @@ from __future__ import annotations
 import os
 
 from hitchllm.config import EngineConfig
+from hitchllm.cpu_threads import usable_cpus
 
 
 def replica_environments(config: EngineConfig, num_replicas: int) -> list[dict[str, str]]:
     """The environment each replica process starts with: its CUDA devices (slice ``i`` of
     the size of one replica's tensor x pipeline parallel group), or on the CPU its share of
-    the cores. ``ValueError`` when there are not enough devices."""
+    the cores this process may use (affinity and cgroup CPU quota, ``usable_cpus``).
+    ``ValueError`` when there are not enough devices."""
     device = config.resolve_device()
     if device.type == "cuda":
         if device.index is not None:
@@ -33,5 +35,5 @@ def replica_environments(config: EngineConfig, num_replicas: int) -> list[dict[s
                 for i in range(num_replicas)]
     if "OMP_NUM_THREADS" in os.environ:
         return [{} for _ in range(num_replicas)]
-    threads = str(max(1, (os.cpu_count() or 1) // num_replicas))
+    threads = str(max(1, usable_cpus() // num_replicas))
     return [{"OMP_NUM_THREADS": threads} for _ in range(num_replicas)]

@@ -10,7 +10,9 @@ runs one per tensor-parallel rank in worker processes.
 from __future__ import annotations
 
 import abc
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 from hitchllm.attention import KVCacheSpec
@@ -94,10 +96,20 @@ class Executor(abc.ABC):
 
 
 class InProcessExecutor(Executor):
-    """One worker (rank 0 of a world of 1) in the engine's own process."""
+    """One worker (rank 0 of a world of 1) in the engine's own process.
 
-    def __init__(self, worker: Worker) -> None:
+    With ``forward_thread`` (the CPU, where a launched step would otherwise be computed
+    before ``execute_model`` returns) each step runs on a worker thread of its own, launch
+    and read-back together, in launch order: the engine's thread schedules the next step and
+    builds outputs meanwhile (torch's operators release the GIL while they compute). Only
+    that thread touches the runner once steps run.
+    """
+
+    def __init__(self, worker: Worker, forward_thread: bool = False) -> None:
         self.worker = worker
+        self._thread: ThreadPoolExecutor | None = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="hitchllm-forward")
+            if forward_thread else None)
 
     @property
     def runner(self) -> ModelRunner:
@@ -117,10 +129,32 @@ class InProcessExecutor(Executor):
         self.runner.capture_cuda_graphs()
 
     def execute_model(self, step: StepPlan) -> RunnerOutputFuture:
-        return self.runner.execute_async(step)
+        if self._thread is None:
+            return self.runner.execute_async(step)
+        return ThreadStepOutput(self._thread.submit(self._run_step, step))
+
+    def _run_step(self, step: StepPlan) -> RunnerOutput:
+        return self.runner.execute_async(step).result()
 
     def close(self) -> None:
+        if self._thread is not None:
+            # A step under way finishes first (unless the engine is collected on that very
+            # thread, which cannot wait for itself).
+            on_worker = threading.current_thread().name.startswith("hitchllm-forward")
+            self._thread.shutdown(wait=not on_worker)
+            self._thread = None
         self.worker.close()
+
+
+class ThreadStepOutput:
+    """A step running on the in-process executor's worker thread; ``result()`` waits for it
+    (and raises what the step raised)."""
+
+    def __init__(self, future: Future[RunnerOutput]) -> None:
+        self._future = future
+
+    def result(self) -> RunnerOutput:
+        return self._future.result()
 
 
 class WorkerGroupExecutor(Executor):

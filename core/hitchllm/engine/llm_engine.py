@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 from hitchllm.attention import FP8_DTYPES, AttentionSpec, bytes_per_shared_block
 from hitchllm.attention.selector import select_attention_backend
 from hitchllm.config import EngineConfig, ModelConfig, parse_size
+from hitchllm.cpu_threads import apply_cpu_threads
 from hitchllm.engine.drafting import Drafter
 from hitchllm.engine.executor import (
     Executor,
@@ -195,6 +196,11 @@ class LLMEngine:
             else (1, 1 + config.num_speculative_tokens),
             kv_engine_id="" if self.kv_params is None else self.kv_params.engine_id,
         )
+        if self.device.type == "cpu":
+            # Overlapped steps run the model on a thread of its own (below): a core is left
+            # to the engine loop. With tensor parallelism the workers share the threads out.
+            apply_cpu_threads(config.cpu_threads, overlap=self._overlaps(config)
+                              and config.speculative_method is None)
         self.proposer: Proposer | None = None
         if config.distributed_executor_backend == "ray":
             # The model lives in Ray actors (at any tensor_parallel_size: Ray was asked for).
@@ -207,7 +213,11 @@ class LLMEngine:
             self.proposer = self._build_proposer(worker.load_model())
             worker.build_runner(keep_hidden_states=self.proposer is not None
                                 and self.proposer.needs_hidden_states)
-            self.executor = InProcessExecutor(worker)
+            # On the CPU a step computes as it is launched: overlapping the host's work
+            # with it takes a thread of its own (see ``_overlap``).
+            self.executor = InProcessExecutor(
+                worker, forward_thread=(self.device.type == "cpu" and self._overlaps(config)
+                                        and self.proposer is None))
         try:
             self._initialize_kv_cache()
         except BaseException:
@@ -243,17 +253,21 @@ class LLMEngine:
                                    self.max_model_len, mc.vocab_size, self.device)
         self._request_counter = itertools.count()
         # Overlap: the launched step whose tokens are not folded in yet (see ``step``).
-        # (On a CPU the step is done when launched; overlapping changes nothing but the order.)
-        # Not with pipeline stages: the first stage needs each step's tokens on the host (the
-        # driver sends them with the next plan); they overlap micro-batches instead.
-        self._overlap = (config.async_scheduling and self.proposer is None
-                         and config.pipeline_parallel_size == 1)
+        self._overlap = self._overlaps(config) and self.proposer is None
         # Pipeline stages: up to this many steps in flight, over disjoint requests.
         self._micro_batches = config.pipeline_parallel_size
         # Launched steps whose tokens are not folded in yet, oldest first.
         self._in_flight: deque[_Launched] = deque()
         self._max_steps_in_flight = 0
         self._consecutive_failures = 0
+
+    @staticmethod
+    def _overlaps(config: EngineConfig) -> bool:
+        """Whether steps may overlap (async scheduling; also never with a proposer, which
+        needs each step's tokens to propose the next drafts). Not with pipeline stages: the
+        first stage needs each step's tokens on the host (the driver sends them with the
+        next plan); they overlap micro-batches instead."""
+        return config.async_scheduling and config.pipeline_parallel_size == 1
 
     def close(self) -> None:
         """Stop the executor's worker processes (tensor parallelism); the engine cannot run

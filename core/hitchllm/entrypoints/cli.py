@@ -96,6 +96,9 @@ def add_engine_args(
                    default=None, help="CUDA: run norms, rotary and activations unfused")
     g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                    default=None, help="wait for each step's tokens before scheduling the next")
+    g.add_argument("--cpu-threads", type=int,
+                   help="CPU: torch threads for the model (default: the cores this process "
+                        "may use, from its CPU affinity and cgroup CPU quota)")
     g.add_argument("--kv-role", choices=["producer", "consumer"],
                    help="disaggregated serving: producer (computes prompts, ships their KV) "
                         "or consumer (loads it, decodes); needs --kv-connector")
@@ -130,7 +133,7 @@ ENGINE_FLAGS = ["tokenizer", "dtype", "kv_cache_dtype", "calculate_kv_scales", "
                 "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                 "enable_prefix_caching", "scheduling_policy", "preemption_mode", "swap_space",
                 "seed", "enforce_eager",
-                "enable_fusion", "async_scheduling", *VLLM_ARGS_NOT_SUPPORTED]
+                "enable_fusion", "async_scheduling", "cpu_threads", *VLLM_ARGS_NOT_SUPPORTED]
 
 
 # vLLM engine arguments that ``serve`` implements itself rather than the engine.

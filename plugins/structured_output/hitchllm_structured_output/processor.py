@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import llguidance
-import llguidance.torch
 import torch
 
 from hitchllm import SamplingParams
@@ -25,6 +24,15 @@ from hitchllm.logits_processor import LogitsEdit, LogitsProcessor, LogitsRow, ho
 from hitchllm_structured_output.grammar import GrammarCache
 
 logger = logging.getLogger(__name__)
+
+
+def _bitmask_ops() -> Any:
+    """``llguidance.torch``, imported on first use: it compiles a kernel with torch.compile
+    when imported, which loads dynamo and inductor, seconds of every engine's start-up
+    (issue 22: 4.7 of 10 s to the first token of ``hitchllm generate`` on a 2-core VM)."""
+    import llguidance.torch
+
+    return llguidance.torch
 
 
 @dataclass
@@ -81,7 +89,7 @@ class StructuredOutputProcessor(LogitsProcessor):
             self._requests.pop(rid, None)
 
     def prepare(self, rows: list[LogitsRow], vocab_size: int, device: torch.device) -> LogitsEdit:
-        bitmask = llguidance.torch.allocate_token_bitmask(len(rows), vocab_size)
+        bitmask = _bitmask_ops().allocate_token_bitmask(len(rows), vocab_size)
         parallel: list[tuple[llguidance.LLMatcher, int]] = []
         for i, row in enumerate(rows):
             state = self._state(row)
@@ -99,7 +107,7 @@ class StructuredOutputProcessor(LogitsProcessor):
         if parallel:
             if self._executor is None:
                 self._executor = llguidance.LLExecutor()
-            llguidance.torch.fill_next_token_bitmask_par(self._executor, parallel, bitmask)
+            _bitmask_ops().fill_next_token_bitmask_par(self._executor, parallel, bitmask)
         return self._masking_edit(bitmask, [row.index for row in rows], vocab_size, device)
 
     def _state(self, row: LogitsRow) -> _RequestGrammar:
@@ -127,7 +135,7 @@ class StructuredOutputProcessor(LogitsProcessor):
         # A draft the grammar rejects is forbidden by an earlier row's mask, so that row
         # rejects it and this row is never used: its mask (all allowed) does not matter.
         if consumed == len(drafts):
-            llguidance.torch.fill_next_token_bitmask(matcher, bitmask, i)
+            _bitmask_ops().fill_next_token_bitmask(matcher, bitmask, i)
         if consumed:
             matcher.rollback(consumed)
 
