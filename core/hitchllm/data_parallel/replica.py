@@ -67,8 +67,8 @@ def run_replica(spec: ReplicaSpec, conn: Connection) -> None:
     signal.signal(signal.SIGTERM, lambda *_: None)
     from hitchllm.engine.async_engine import AsyncLLMEngine
     from hitchllm.engine.llm_engine import LLMEngine
-    from hitchllm.entrypoints.openai.api_server import freeze_startup_objects
     from hitchllm.entrypoints.openai.metrics import ServerMetrics
+    from hitchllm.entrypoints.openai.startup import freeze_startup_objects
 
     try:
         engine = LLMEngine(spec.config)

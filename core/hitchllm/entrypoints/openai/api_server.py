@@ -9,7 +9,6 @@ parallelism (``data_parallel_size`` > 1) the engines are replicas in processes o
 
 from __future__ import annotations
 
-import gc
 import logging
 import signal
 from collections.abc import Callable
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hitchllm.config import EngineConfig
+from hitchllm.entrypoints.openai.startup import freeze_startup_objects
 from hitchllm.lora import LoRARequest
 
 if TYPE_CHECKING:
@@ -95,14 +95,6 @@ def serve(
         client.shutdown()
     if client.dead_reason is not None:
         raise SystemExit(1)
-
-
-def freeze_startup_objects() -> None:
-    """Move every object alive now (the model, the tokenizer, the app) out of the garbage
-    collector's reach. Otherwise each full collection while serving walks them all: on the
-    CPU with a tiny model one took 0.5 s, a pause of every stream (docs/serving.md)."""
-    gc.collect()
-    gc.freeze()
 
 
 def _exit_on_signal(signum: int, _: Any) -> None:
