@@ -67,8 +67,11 @@ def test_a_two_cpu_quota_on_a_64_core_host_gives_two_threads(tmp_path, monkeypat
     assert usable_cpus(cgroup_v2(tmp_path / "eight", {".": "800000 100000"})) == 4
     env: dict[str, str] = {}
     assert resolve_cpu_threads(None, False, env, lambda: usable_cpus(quota2))[0] == 2
-    # One of them left to the engine loop when the model runs on its own thread.
-    assert resolve_cpu_threads(None, True, env, lambda: usable_cpus(quota2))[0] == 1
+    # With the model on its own thread too (no core is reserved by default)...
+    assert resolve_cpu_threads(None, True, env, lambda: usable_cpus(quota2))[0] == 2
+    # ...unless one is asked for.
+    assert resolve_cpu_threads(None, True, {RESERVED_CPUS_ENV: "1"},
+                               lambda: usable_cpus(quota2))[0] == 1
 
 
 def test_overrides_in_order(monkeypatch):
@@ -80,7 +83,8 @@ def test_overrides_in_order(monkeypatch):
     assert resolve_cpu_threads(None, True, {THREADS_BIND_ENV: "auto", "OMP_NUM_THREADS": "5"},
                                usable) == (None, "OMP_NUM_THREADS")
     assert resolve_cpu_threads(None, False, {}, usable)[0] == 16
-    assert resolve_cpu_threads(None, True, {}, usable)[0] == 15
+    assert resolve_cpu_threads(None, True, {}, usable)[0] == 16
+    assert resolve_cpu_threads(None, True, {RESERVED_CPUS_ENV: "1"}, usable)[0] == 15
     assert resolve_cpu_threads(None, True, {}, lambda: 1)[0] == 1  # one core: it is shared
     assert resolve_cpu_threads(None, True, {RESERVED_CPUS_ENV: "0"}, usable)[0] == 16
     assert resolve_cpu_threads(None, False, {RESERVED_CPUS_ENV: "2"}, usable)[0] == 14
@@ -114,7 +118,11 @@ def test_engine_sets_torch_threads(llama_path, monkeypatch):
         monkeypatch.setattr("hitchllm.cpu_threads.usable_cpus", lambda: 3)
         LLM(llama_path, async_scheduling=False)
         assert torch.get_num_threads() == 3
-        LLM(llama_path)  # the model on a thread of its own: one core left to the loop
-        assert torch.get_num_threads() == 2
+        monkeypatch.setattr("hitchllm.cpu_threads.usable_cpus", lambda: 4)
+        LLM(llama_path)  # the model on a thread of its own: every core still its own
+        assert torch.get_num_threads() == 4
+        monkeypatch.setenv(RESERVED_CPUS_ENV, "1")
+        LLM(llama_path)  # one core left to the engine loop, as asked
+        assert torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)

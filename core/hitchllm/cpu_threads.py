@@ -35,9 +35,11 @@ logger = logging.getLogger(__name__)
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 # Cores left to the engine loop by default when the model runs on a thread of its own
 # (overlap: scheduling, input preparation, detokenizing and building outputs run there while
-# the model runs on the others); chosen by measurement, docs/performance.md. Without overlap
-# the loop runs between forwards and nothing is reserved.
-DEFAULT_RESERVED_CPUS = 1
+# the model runs on the others). None: on a quiet 2-core machine the model on both cores was
+# 25-40% faster than on one with a core left to the loop, and under a busy core it stayed
+# within 0.7x of its quiet speed (docs/performance.md). Without overlap nothing is reserved
+# either; VLLM_CPU_NUM_OF_RESERVED_CPU sets it.
+DEFAULT_RESERVED_CPUS = 0
 THREADS_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 RESERVED_CPUS_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 
