@@ -1,11 +1,14 @@
 """The per-step state an ``Attention`` layer reads: the backend's metadata for this batch.
 
 The model runner sets it around each forward pass, so models never pass attention metadata
-through their call signatures.
+through their call signatures. It is per thread: on the CPU each engine runs its forwards on a
+worker thread of its own, and two engines in one process (or a step of a closed engine still
+finishing) must not see each other's batch.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,25 +22,31 @@ class ForwardContext:
     attn_metadata: Any
 
 
-_current: ForwardContext | None = None
+class _ThreadContext(threading.local):
+    current: ForwardContext | None = None
+
+
+_state = _ThreadContext()
 
 
 @contextmanager
 def set_forward_context(attn_metadata: Any) -> Iterator[ForwardContext]:
-    """Make ``attn_metadata`` visible to every ``Attention`` layer for the enclosed forward."""
-    global _current
-    previous, _current = _current, ForwardContext(attn_metadata)
+    """Make ``attn_metadata`` visible to every ``Attention`` layer of the enclosed forward
+    (on this thread)."""
+    previous = _state.current
+    _state.current = ForwardContext(attn_metadata)
     try:
-        yield _current
+        yield _state.current
     finally:
-        _current = previous
+        _state.current = previous
 
 
 def get_forward_context() -> ForwardContext:
-    """The context of the forward pass in progress."""
-    if _current is None:
+    """The context of the forward pass in progress on this thread."""
+    current = _state.current
+    if current is None:
         raise RuntimeError(
             "Attention layer called outside a forward pass: the model runner must wrap the "
             "model call in hitchllm.attention.set_forward_context(...)"
         )
-    return _current
+    return current
