@@ -30,11 +30,13 @@ def running_server(args: list[str], timeout: float = 120.0,
 @contextmanager
 def running_server_process(
     args: list[str], timeout: float = 120.0, env: dict[str, str] | None = None,
+    command: str = "serve",
 ) -> Iterator[tuple[str, subprocess.Popen]]:
-    """As ``running_server``, yielding the server's process too."""
+    """As ``running_server``, yielding the server's process too; ``command`` is the CLI's
+    subcommand that serves (``serve-disagg`` for the disaggregation router)."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hitchllm.entrypoints.cli", "serve", "--port", str(port), *args],
+        [sys.executable, "-m", "hitchllm.entrypoints.cli", command, "--port", str(port), *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=None if env is None else {**os.environ, **env},
     )

@@ -6,8 +6,6 @@ timeout, and every process is stopped when the module ends."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -17,7 +15,7 @@ from contextlib import contextmanager
 import openai
 import pytest
 from fastapi.testclient import TestClient
-from server_process import free_port, running_server, scrape
+from server_process import running_server, running_server_process, scrape
 
 from hitchllm.config import EngineConfig
 from hitchllm.engine.async_engine import AsyncLLMEngine
@@ -39,33 +37,9 @@ SAVES = "hitchllm:kv_transfer_saves_total"
 
 @contextmanager
 def running_router(prefill: str, decode: str, timeout: float = 60.0) -> Iterator[str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hitchllm.entrypoints.cli", "serve-disagg", "--prefill", prefill,
-         "--decode", decode, "--port", str(port), "--timeout-s", "60"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"router exited early:\n{proc.stdout.read()}")
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "the router did not become healthy in time"
-            time.sleep(0.2)
+    args = ["--prefill", prefill, "--decode", decode, "--timeout-s", "60"]
+    with running_server_process(args, timeout, command="serve-disagg") as (url, _):
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="module")
