@@ -13,7 +13,8 @@
 # failed loads and fallbacks, prompt tokens computed on the decode instance). Model: a
 # Qwen3-0.6B-shaped random model (benchmarks/configs/qwen3-0.6b.json, built into $MODEL,
 # default /tmp/qwen3-0.6b; CONFIG picks another shape). Logs: /tmp/disagg_*.log. The GPU test
-# of the connector (tests/test_kvx_gpu.py) runs first.
+# of the connector (tests/test_kvx_gpu.py) runs first. FIRST_GPU (default 0) shifts the two
+# GPUs used.
 #   bash benchmarks/disagg_serve_gpu.sh      # after installing core + plugins, on 2 GPUs
 set -euo pipefail
 results="${RESULTS:-benchmarks/RESULTS.md}"
@@ -22,11 +23,12 @@ model="${MODEL:-/tmp/$(basename "$config" .json)}"
 rate="${RATE:-2}"
 num_prompts="${NUM_PROMPTS:-200}"
 connector="${CONNECTOR:-torch_distributed}"
+first="${FIRST_GPU:-0}"; second=$((first + 1))
 port=8021; prefill_port=8022; decode_port=8023
 engine=(--dtype bfloat16 --block-size 16 --max-model-len 8704)
-[ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ] \
+[ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge $((second + 1)) ] \
     || { echo "needs 2 GPUs" >&2; exit 1; }
-python3 -m pytest -q tests/test_kvx_gpu.py
+CUDA_VISIBLE_DEVICES=$first,$second python3 -m pytest -q tests/test_kvx_gpu.py
 [ -f "$model/config.json" ] || python3 benchmarks/build_model.py "$config" "$model"
 
 pids=()
@@ -58,16 +60,16 @@ bench() {
 }
 
 serve=(python3 -m hitchllm.entrypoints.cli serve "$model" --served-model-name bench "${engine[@]}")
-start dp2 "$port" env CUDA_VISIBLE_DEVICES=0,1 "${serve[@]}" --port "$port" \
+start dp2 "$port" env CUDA_VISIBLE_DEVICES=$first,$second "${serve[@]}" --port "$port" \
     --data-parallel-size 2
 bench "2 ordinary instances (serve -dp 2), request rate $rate"
 stop_all
 
 kv=(--kv-connector "$connector" --kv-connector-extra-config '{"port": 14579}')
 [ "$connector" = shared_memory ] && kv=(--kv-connector shared_memory)
-start prefill "$prefill_port" env CUDA_VISIBLE_DEVICES=0 "${serve[@]}" --port "$prefill_port" \
+start prefill "$prefill_port" env CUDA_VISIBLE_DEVICES=$first "${serve[@]}" --port "$prefill_port" \
     --kv-role producer "${kv[@]}"
-start decode "$decode_port" env CUDA_VISIBLE_DEVICES=1 "${serve[@]}" --port "$decode_port" \
+start decode "$decode_port" env CUDA_VISIBLE_DEVICES=$second "${serve[@]}" --port "$decode_port" \
     --kv-role consumer "${kv[@]}"
 start router "$port" python3 -m hitchllm.entrypoints.cli serve-disagg --port "$port" \
     --prefill "http://127.0.0.1:$prefill_port" --decode "http://127.0.0.1:$decode_port"

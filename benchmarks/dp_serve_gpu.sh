@@ -9,7 +9,8 @@
 # table and the scaling line are appended to $RESULTS (default benchmarks/RESULTS.md); the
 # servers' logs go to /tmp/dp_serve_{1,2}.log. The first GPU test of data parallelism
 # (tests/test_dp_engine.py, marked gpu) runs first: it checks that each replica has its own
-# GPU and answers like one engine.
+# GPU and answers like one engine. FIRST_GPU (default 0) shifts the GPUs used (e.g. 2 on a
+# 4-GPU machine that runs another benchmark on GPUs 0 and 1).
 #   bash benchmarks/dp_serve_gpu.sh      # after installing core + plugins, on 2 GPUs
 set -euo pipefail
 results="${RESULTS:-benchmarks/RESULTS.md}"
@@ -18,9 +19,10 @@ model="${MODEL:-/tmp/$(basename "$config" .json)}"
 port="${PORT:-8011}"
 num_prompts="${NUM_PROMPTS:-1024}"
 concurrency="${CONCURRENCY:-512}"
-[ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ] \
+first="${FIRST_GPU:-0}"
+[ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge $((first + 2)) ] \
     || { echo "needs 2 GPUs" >&2; exit 1; }
-python3 -m pytest -q tests/test_dp_engine.py -k two_gpus
+CUDA_VISIBLE_DEVICES=$first,$((first + 1)) python3 -m pytest -q tests/test_dp_engine.py -k two_gpus
 [ -f "$model/config.json" ] || python3 benchmarks/build_model.py "$config" "$model"
 
 server=""
@@ -30,10 +32,10 @@ stop_server() {
 }
 trap stop_server EXIT
 
-# bench DP: serve with DP replicas (GPUs 0..DP-1), load it; its output in /tmp/dp_bench_DP.txt.
+# bench DP: serve with DP replicas (GPUs FIRST_GPU..FIRST_GPU+DP-1), load it; its output in /tmp/dp_bench_DP.txt.
 bench() {
     local dp=$1
-    CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((dp - 1))) python3 -m hitchllm.entrypoints.cli serve \
+    CUDA_VISIBLE_DEVICES=$(seq -s, "$first" $((first + dp - 1))) python3 -m hitchllm.entrypoints.cli serve \
         "$model" --served-model-name bench --port "$port" --dtype bfloat16 --block-size 16 \
         --data-parallel-size "$dp" > "/tmp/dp_serve_$dp.log" 2>&1 &
     server=$!

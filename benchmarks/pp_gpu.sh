@@ -2,7 +2,7 @@
 # Pipeline parallelism on a 2-GPU machine (issue 19, point 2): PP=2 against PP=1 on a
 # Llama-3-8B-shaped model with random weights (benchmarks/configs/llama-8b.json, about 16 GB in
 # bf16, built on the GPU into $MODEL, default /tmp/llama-8b), bf16, block size 16, seed 0.
-# The offline throughput workload (256 prompts of random token ids, input 100-1024, output
+# The offline throughput workload ($NUM_PROMPTS, default 256 prompts of random token ids, input 100-1024, output
 # 100-1024), output tok/s of each row:
 #   1. PP=1 (one GPU, decode CUDA graphs);
 #   2. PP=1 --enforce-eager (one GPU, no graphs: PP=2 runs its steps eagerly, so this row is
@@ -16,6 +16,7 @@
 set -euo pipefail
 results="${RESULTS:-benchmarks/RESULTS.md}"
 model="${MODEL:-/tmp/llama-8b}"
+num_prompts="${NUM_PROMPTS:-256}"
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 if [ "$gpus" -lt 2 ]; then
     echo "pp_gpu.sh needs 2 GPUs, $gpus visible" >&2
@@ -25,7 +26,7 @@ fi
 bench() {
     python3 -m hitchllm.entrypoints.cli bench throughput --model "$model" --seed 0 \
         --block-size 16 --dtype bfloat16 --max-model-len 2048 --append-results "$results" \
-        --num-prompts 256 --input-len 100 1024 --output-len 100 1024 \
+        --num-prompts "$num_prompts" --input-len 100 1024 --output-len 100 1024 \
         "$@" 2>&1 | grep -v INFO
 }
 bench -pp 1 --label "Llama-3-8B shape, throughput workload, PP=1"
