@@ -10,8 +10,8 @@ Rank layout: a world of ``tp_size * pp_size`` processes, stage-major: global ran
 ``pp_rank * tp_size + tp_rank``, so the ranks of one pipeline stage are consecutive. Each
 stage has its own tensor-parallel group (the whole world when there is one stage), inside
 which the layers' all-reduce and all-gather run. Between stages, activations travel
-point-to-point on the world group (``send_to_next_stage`` / ``recv_from_previous_stage``,
-by global rank): tensor-parallel rank
+point-to-point (``send_to_next_stage`` / ``recv_from_previous_stage``), each pair of
+neighbouring ranks on a two-rank group of its own: tensor-parallel rank
 ``t`` of stage ``s`` sends to tensor-parallel rank ``t`` of stage ``s + 1`` (every rank of a
 stage holds the whole, all-reduced hidden state).
 
@@ -91,6 +91,10 @@ class ParallelRank:
 _state = ParallelRank()
 # The tensor-parallel process group once ``init_distributed`` ran; None in a pretend world.
 _tp_group: dist.ProcessGroup | None = None
+# With pipeline stages: the two-rank groups this rank receives activations on (from the
+# previous stage) and sends them on (to the next); None where there is no such stage.
+_prev_stage_group: dist.ProcessGroup | None = None
+_next_stage_group: dist.ProcessGroup | None = None
 
 
 def tp_rank() -> int:
@@ -143,7 +147,7 @@ def init_distributed(
 ) -> None:
     """Join the process group through ``store`` (every rank of the world calls this) and
     become ``rank``. Collectives that wait longer than ``timeout_s`` for a peer fail."""
-    global _state, _tp_group
+    global _state, _tp_group, _prev_stage_group, _next_stage_group
     if dist.is_initialized():
         raise RuntimeError("this process already belongs to a torch.distributed process group")
     if device.type == "cuda":
@@ -161,14 +165,27 @@ def init_distributed(
             group = dist.new_group([stage * rank.tp_size + t for t in range(rank.tp_size)])
             if stage == rank.pp_rank:
                 _tp_group = group
+        # One group per pair of neighbouring ranks for the activations: on the world group
+        # NCCL would run every stage-to-stage transfer as a collective of the whole world,
+        # serialized with every other (a middle stage's receive of step k + 1 behind its
+        # send of step k, which waits for the next stage), and warns so.
+        for stage in range(rank.pp_size - 1):
+            for t in range(rank.tp_size):
+                sender = stage * rank.tp_size + t
+                group = dist.new_group([sender, sender + rank.tp_size])
+                if sender == rank.global_rank:
+                    _next_stage_group = group
+                elif sender + rank.tp_size == rank.global_rank:
+                    _prev_stage_group = group
 
 
 def destroy_distributed() -> None:
     """Leave the process group (a no-op when this process never joined one)."""
-    global _state, _tp_group
+    global _state, _tp_group, _prev_stage_group, _next_stage_group
     if dist.is_initialized():
         dist.destroy_process_group()
     _state, _tp_group = ParallelRank(), None
+    _prev_stage_group = _next_stage_group = None
 
 
 def current_rank() -> ParallelRank:
@@ -222,7 +239,7 @@ def send_to_next_stage(x: torch.Tensor) -> None:
     if _state.is_last_stage:
         raise RuntimeError(f"stage {_state.pp_rank} is the last pipeline stage: it has no next")
     _require_group()
-    dist.send(x.contiguous(), dst=_state.global_rank + _state.tp_size)
+    dist.send(x.contiguous(), dst=_state.global_rank + _state.tp_size, group=_next_stage_group)
 
 
 def recv_from_previous_stage(
@@ -233,7 +250,7 @@ def recv_from_previous_stage(
         raise RuntimeError("stage 0 is the first pipeline stage: it has no previous")
     _require_group()
     x = torch.empty(shape, dtype=dtype, device=device)
-    dist.recv(x, src=_state.global_rank - _state.tp_size)
+    dist.recv(x, src=_state.global_rank - _state.tp_size, group=_prev_stage_group)
     return x
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
+from hitchllm import timeline
 from hitchllm.attention import FP8_DTYPES, AttentionSpec, bytes_per_shared_block
 from hitchllm.attention.selector import select_attention_backend
 from hitchllm.config import EngineConfig, ModelConfig, parse_size
@@ -78,6 +79,8 @@ class _Launched:
     plan: StepPlan
     requests: list[Request]
     output: RunnerOutputFuture
+    # The executor's index of the step (its launches counted from 0).
+    index: int = 0
     launched_at: float = field(default_factory=time.perf_counter)
 
 
@@ -259,7 +262,12 @@ class LLMEngine:
         # Launched steps whose tokens are not folded in yet, oldest first.
         self._in_flight: deque[_Launched] = deque()
         self._max_steps_in_flight = 0
+        self._num_launched = 0
         self._consecutive_failures = 0
+        # HITCHLLM_STEP_TIMELINE=1: marks of every step (``hitchllm.timeline``). The runner's
+        # device marks need the device when it runs in this process.
+        timeline.start("driver", self.device if isinstance(self.executor, InProcessExecutor)
+                       else None)
 
     @staticmethod
     def _overlaps(config: EngineConfig) -> bool:
@@ -648,7 +656,7 @@ class LLMEngine:
         if self._micro_batches > 1:
             self._step_pipelined(outputs, work)
             return
-        plan = self.scheduler.schedule()
+        plan = self._schedule()
         requests = [self.scheduler.requests[rid] for rid in plan.request_ids]
         if self._in_flight and not self._may_overlap(requests):
             outputs += self._complete_in_flight(work)
@@ -679,7 +687,7 @@ class LLMEngine:
         stages), then complete the oldest steps while M are in flight, or while nothing was
         free to launch (the oldest step's requests are free again once it completes)."""
         busy = {r for launched in self._in_flight for r in launched.requests}
-        plan = self.scheduler.schedule(busy)
+        plan = self._schedule(busy)
         requests = [self.scheduler.requests[rid] for rid in plan.request_ids]
         if plan.is_empty and not self._in_flight and self.scheduler.has_unfinished_requests():
             raise RuntimeError("scheduler made no progress with unfinished requests queued")
@@ -697,11 +705,26 @@ class LLMEngine:
             outputs += self._complete_in_flight(work)
             waited = waited or not oldest.plan.is_empty
 
+    def _schedule(self, busy: set[Request] | None = None) -> StepPlan:
+        tl = timeline.ACTIVE
+        if tl is None:
+            return self.scheduler.schedule(busy or ())
+        tl.mark("schedule_start", self._num_launched)
+        plan = self.scheduler.schedule(busy or ())
+        tl.mark("schedule_end", self._num_launched)
+        return plan
+
     def _launch(self, plan: StepPlan, requests: list[Request]) -> _Launched:
-        launched = _Launched(plan, requests, self.executor.execute_model(plan))
+        launched = _Launched(plan, requests, self.executor.execute_model(plan),
+                             self._num_launched)
+        self._num_launched += 1
         if not plan.is_empty:
             self._max_steps_in_flight = max(self._max_steps_in_flight,
                                             self._num_in_flight() + 1)
+        if timeline.ACTIVE is not None:
+            timeline.ACTIVE.mark("launched", launched.index, requests=len(requests),
+                                 tokens=plan.total_num_scheduled_tokens,
+                                 in_flight=self._num_in_flight() + (not plan.is_empty))
         return launched
 
     def _num_in_flight(self) -> int:
@@ -764,6 +787,9 @@ class LLMEngine:
     def _complete(self, launched: _Launched) -> list[RequestOutput]:
         """Wait for a launched step's tokens and fold them into requests and outputs."""
         result = launched.output.result()
+        tl = timeline.ACTIVE
+        if tl is not None:
+            tl.mark("answer_read", launched.index)
         if result.kv_events is not None:
             self.scheduler.update_kv_transfers(result.kv_events)
             self.kv_transfer_stats = result.kv_events.stats
@@ -777,6 +803,8 @@ class LLMEngine:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         if self.drafter is not None:
             self.drafter.propose(self.scheduler.running, result)
+        if tl is not None:
+            tl.mark("outputs_done", launched.index)
         return outputs
 
     def stats(self) -> EngineStats:

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from hitchllm import distributed, timeline
 from hitchllm.attention import (
     Attention,
     AttentionBackend,
@@ -115,8 +116,13 @@ class ModelRunner:
         # The newest sampled token of each input-batch row, kept on the device for a next
         # step scheduled before the host has seen it.
         self.last_sampled = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
+        # Host buffers the sampled tokens are copied into, used in turn: one per step whose
+        # output may still be unread when the next is launched (with pipeline stages up to
+        # one per stage in flight, read by the worker's answer thread, plus the one
+        # launching).
         self._sampled_host = [torch.zeros(max_num_tokens, dtype=torch.int64,
-                                          pin_memory=device.type == "cuda") for _ in range(2)]
+                                          pin_memory=device.type == "cuda")
+                              for _ in range(max(2, distributed.pp_world_size() + 1))]
         self._sampled_slot = 0
         self._inputs_copied: torch.cuda.Event | None = None
         self._sample_rows: torch.Tensor | None = None
@@ -125,6 +131,8 @@ class ModelRunner:
         # Whether a step's output carries the final hidden states of its sampled positions
         # (for a proposer that drafts from them); off, they cost nothing.
         self.keep_hidden_states = keep_hidden_states
+        # Steps launched (every plan, empty ones too): the step index of timeline marks.
+        self.num_steps = 0
 
     # ---- set-up ------------------------------------------------------------------------
 
@@ -244,11 +252,18 @@ class ModelRunner:
         previous step is still running) is taken from that step's sampled tokens on the
         device. The KV connector's transfers run first (``hitchllm.kv_transfer.connector``).
         """
+        tl = timeline.ACTIVE
+        if tl is not None:
+            tl.step = self.num_steps
+            tl.mark("launch_start")
+        self.num_steps += 1
         kv_events = None
         if self.kv_connector is not None:
             kv_events = run_kv_transfers(self.kv_connector, plan)
         pending = self._launch(plan)
         pending.kv_events = kv_events
+        if tl is not None:
+            tl.mark("launch_end")
         return pending
 
     def _launch(self, plan: StepPlan) -> PendingOutput:
@@ -269,6 +284,9 @@ class ModelRunner:
         if plan.is_empty:
             return PendingOutput()
 
+        tl = timeline.ACTIVE
+        if tl is not None:
+            tl.device_mark("step_start")
         states = [batch.states[rid] for rid in plan.request_ids]
         drafts = [plan.draft_token_ids.get(rid, []) for rid in plan.request_ids]
         rows = np.fromiter(
@@ -292,13 +310,28 @@ class ModelRunner:
         if self.before_forward is not None:
             self.before_forward(requests=states, num_scheduled_tokens=plan.num_scheduled_tokens,
                                 model=self.model, running_requests=batch.states.values())
+        if tl is not None:
+            tl.device_mark("forward_start")
         if graph_size is not None and self.graphs is not None and self.graphs.captured:
             hidden = self.graphs.replay(graph_size, query_len)
         else:
             hidden = self._eager_forward(input_ids, positions, attn_metadata)
+        if tl is not None:
+            tl.device_mark("forward_end")
+        pending = self._sample_step(plan, states, hidden, num_computed, logits_idx, sampling)
+        if tl is not None:
+            tl.device_mark("step_end")
+        return pending
+
+    def _sample_step(
+        self, plan: StepPlan, states: list[RequestState], hidden: torch.Tensor,
+        num_computed: np.ndarray, logits_idx: torch.Tensor,
+        sampling: list[tuple[RequestState, list[int]]],
+    ) -> PendingOutput:
+        """Prompt logprobs, logits and sampling of a step whose forward is launched (nothing
+        on a pipeline stage before the last)."""
         if not self.samples:
             return PendingOutput()
-
         prompt_lps = {}
         if any(s.sampling_params.prompt_logprobs is not None for s in states):
             prompt_lps = compute_prompt_logprobs(
@@ -449,8 +482,8 @@ class ModelRunner:
             self.last_sampled[self._sample_rows] = sampled
         if self.device.type != "cuda":
             return PendingOutput(sampling, sampled, None, result.logprobs)
-        # Two host buffers, alternating: the previous step's may not have been read yet.
-        self._sampled_slot ^= 1
+        # The host buffers in turn: the previous steps' may not have been read yet.
+        self._sampled_slot = (self._sampled_slot + 1) % len(self._sampled_host)
         host = self._sampled_host[self._sampled_slot][: len(logit_rows)]
         host.copy_(sampled, non_blocking=True)
         ready = torch.cuda.Event()

@@ -345,6 +345,16 @@ class MultiprocExecutor(WorkerGroupExecutor):
                          f"{self._ranks[r].tp_rank})" for r in ranks)
 
     @property
+    def stage_names(self) -> list[str]:
+        """How each rank is named, rank order (``rank 1 (pipeline stage 1, ...)``)."""
+        return [rank.describe() for rank in self._ranks]
+
+    def timeline_marks(self) -> list[list[Any]]:
+        """Each rank's step-timeline marks since the last call (``hitchllm.timeline``; empty
+        lists unless ``HITCHLLM_STEP_TIMELINE=1`` was set when the workers started)."""
+        return self._call("timeline_marks")
+
+    @property
     def pids(self) -> list[int]:
         """The worker processes' ids, rank order (empty once closed)."""
         return [p.pid for p in self._workers.processes if p.pid is not None]

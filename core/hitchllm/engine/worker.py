@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from transformers import AutoTokenizer
 
-from hitchllm import distributed
+from hitchllm import distributed, timeline
 from hitchllm.attention import FP8_DTYPES, Attention, AttentionBackend, AttentionSpec
 from hitchllm.config import EngineConfig, ModelConfig
 from hitchllm.distributed import ParallelRank
@@ -224,6 +224,12 @@ class Worker:
         if fed_tokens and not self.rank.is_last_stage:
             self.runner.append_fed_tokens(fed_tokens)
         return self.runner.execute_async(plan)
+
+
+    def timeline_marks(self) -> list[timeline.Mark]:
+        """This process's step-timeline marks so far (``HITCHLLM_STEP_TIMELINE``; empty
+        without)."""
+        return timeline.drain()
 
 
 def output_digest(output: RunnerOutput) -> int:

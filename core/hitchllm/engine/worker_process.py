@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import logging
 import pickle
+import queue
 import signal
+import threading
 import traceback
 from collections.abc import MutableSequence
 from multiprocessing.connection import Connection
@@ -22,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hitchllm import distributed
+from hitchllm import distributed, timeline
 from hitchllm.distributed import ParallelRank
 from hitchllm.engine.runner_output import PendingOutput
 from hitchllm.engine.worker import Worker, WorkerSetup, output_digest
@@ -33,6 +35,8 @@ from hitchllm.logger import init_logging
 SETUP_TIMEOUT_S = 3600.0
 # The driver's address (one host: the multiprocess executor's workers run beside it).
 HOST = "127.0.0.1"
+# How long a stopping worker waits for its answer thread to send what is queued.
+SHUTDOWN_SEND_S = 5.0
 
 
 def exception_reply(exc: BaseException) -> tuple[str, BaseException, str]:
@@ -66,6 +70,7 @@ def worker_main(
         worker = Worker(setup, rank)
         worker.init_distributed(store, SETUP_TIMEOUT_S)
         worker.load()
+        timeline.start(rank.describe(), worker.device)
         conn.send(("ok", worker.runner.kv_cache_specs))
     except BaseException as exc:
         conn.send(exception_reply(exc))
@@ -79,49 +84,125 @@ def worker_main(
 
 
 def serve(worker: Worker, conn: Connection, calls_taken: MutableSequence[int]) -> None:
-    """Answer the driver's calls in order. On CUDA a step is answered once the next step has
-    been launched (so the device computes one step while this process prepares the next, as
-    under async scheduling in one process) or when the driver asks for it (``flush``). On the
-    CPU a launched step is already computed: it is answered at once (with pipeline stages the
-    driver needs a step's tokens while the stages compute later steps)."""
-    in_flight: PendingOutput | None = None
-    answer_at_once = worker.device.type != "cuda"
+    """Answer the driver's calls in order.
+
+    When a step is answered: with pipeline stages, as soon as its output is ready: a thread
+    of the worker's own waits for each launched step and sends its answer while this thread
+    goes on taking and launching plans, so that the driver gets micro-batch k's tokens
+    while the device still computes k + 1 (and schedules k + 2 meanwhile). Without stages,
+    on CUDA a step is answered once the next step has been launched (so the device computes
+    one step while this process prepares the next, as under async scheduling in one
+    process; the next plan may hold the same requests, whose states the answer advances) or
+    when the driver asks for it (``flush``); on the CPU a launched step is already computed
+    and is answered at once."""
+    sender = _AnswerSender(worker, conn)
+    in_flight: tuple[int, PendingOutput] | None = None
+    answer_at_once = worker.device.type != "cuda" or sender.threaded
 
     def answer_in_flight() -> None:
         nonlocal in_flight
         if in_flight is not None:
-            pending, in_flight = in_flight, None
-            conn.send(_step_answer(worker, pending))
+            (step, pending), in_flight = in_flight, None
+            sender.answer_step(step, pending)
 
-    while True:
-        try:
-            method, args = pickle.loads(conn.recv_bytes())
-        except EOFError:
-            return  # the driver is gone
-        calls_taken[worker.rank.global_rank] += 1
-        if method == "execute_model":
+    try:
+        while True:
             try:
-                launched = worker.launch_step(*args)
-            except Exception as exc:
+                method, args = pickle.loads(conn.recv_bytes())
+            except EOFError:
+                return  # the driver is gone
+            calls_taken[worker.rank.global_rank] += 1
+            if method == "execute_model":
+                step = worker.runner.num_steps
+                if timeline.ACTIVE is not None:
+                    timeline.ACTIVE.mark("plan_received", step)
+                try:
+                    launched = worker.launch_step(*args)
+                except Exception as exc:
+                    answer_in_flight()
+                    sender.reply(exception_reply(exc))
+                    continue
                 answer_in_flight()
-                conn.send(exception_reply(exc))
+                in_flight = step, launched
+                if answer_at_once:
+                    answer_in_flight()
                 continue
             answer_in_flight()
-            in_flight = launched
-            if answer_at_once:
-                answer_in_flight()
-            continue
-        answer_in_flight()
-        if method == "flush":
-            continue
-        if method == "shutdown":
-            worker.close()
-            conn.send(("ok", None))
-            return
+            if method == "flush":
+                continue
+            if method == "shutdown":
+                worker.close()
+                sender.reply(("ok", None))
+                return
+            try:
+                sender.reply(("ok", getattr(worker, method)(*args)))
+            except Exception as exc:
+                sender.reply(exception_reply(exc))
+    finally:
+        sender.close()
+
+
+class _AnswerSender:
+    """Sends a worker's answers to the driver, in call order: from the calling thread, or
+    (pipeline stages) from a thread of its own that waits for each step's output, so that
+    the thread taking plans never waits for the device. Its waits only advance the request
+    states of the step it reads: the engine keeps the requests of steps in flight apart
+    (micro-batches), and a plan with one of them comes only after the driver has read that
+    step's answer."""
+
+    def __init__(self, worker: Worker, conn: Connection) -> None:
+        self._worker = worker
+        self._conn = conn
+        self.threaded = worker.rank.pp_size > 1
+        self._queue: queue.SimpleQueue[tuple[int, Any] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        if self.threaded:
+            self._thread = threading.Thread(target=self._run, name="hitchllm-answers",
+                                            daemon=True)
+            self._thread.start()
+
+    def answer_step(self, step: int, pending: PendingOutput) -> None:
+        """Send step ``step``'s answer once its output is ready."""
+        if self._thread is None:
+            self._send_step(step, pending)
+        else:
+            self._queue.put((step, pending))
+
+    def reply(self, message: tuple[Any, ...]) -> None:
+        """Send ``message`` after every answer before it."""
+        if self._thread is None:
+            self._conn.send(message)
+        else:
+            self._queue.put((-1, message))
+
+    def close(self) -> None:
+        """Send what is queued (a driver that is gone is not waited for)."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(SHUTDOWN_SEND_S)
+            self._thread = None
+
+    def _send_step(self, step: int, pending: PendingOutput) -> None:
+        message = _step_answer(self._worker, pending)
+        tl = timeline.ACTIVE
+        if tl is not None:
+            tl.mark("result_ready", step)
+        self._conn.send(message)
+        if tl is not None:
+            tl.mark("answer_sent", step)
+
+    def _run(self) -> None:
+        if self._worker.device.type == "cuda":
+            torch.cuda.set_device(self._worker.device)
         try:
-            conn.send(("ok", getattr(worker, method)(*args)))
-        except Exception as exc:
-            conn.send(exception_reply(exc))
+            while (item := self._queue.get()) is not None:
+                step, value = item
+                if step < 0:
+                    self._conn.send(value)
+                else:
+                    self._send_step(step, value)
+        except OSError:
+            pass  # the driver is gone: nobody is left to answer
 
 
 def _step_answer(worker: Worker, pending: PendingOutput) -> tuple[Any, ...]:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hitchllm import distributed
+from hitchllm import distributed, timeline
 
 _LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -81,13 +81,24 @@ class StageLayout:
 
     def receive(self, num_tokens: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The previous stage's hidden state and residual stream for ``num_tokens`` tokens."""
+        tl = timeline.ACTIVE
+        if tl is not None:
+            tl.device_mark("recv_start")
         both = distributed.recv_from_previous_stage((2, num_tokens, self.hidden_size),
                                                     self.dtype, device)
+        if tl is not None:
+            tl.device_mark("recv_end")
         return both[0], both[1]
 
     def send(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
         """Hand the hidden state and residual stream to the next stage."""
-        distributed.send_to_next_stage(torch.stack((hidden, residual)))
+        both = torch.stack((hidden, residual))
+        tl = timeline.ACTIVE
+        if tl is not None:
+            tl.device_mark("send_start")
+        distributed.send_to_next_stage(both)
+        if tl is not None:
+            tl.device_mark("send_end")
 
 
 class AbsentLayer(nn.Module):
