@@ -9,9 +9,10 @@ time and answer lag.
 
 Without ``--model`` it builds a random Llama of hidden 512 x 8 layers in a temporary directory
 (big enough on the CPU that the stages' compute shows). Prompts are random token ids from a
-fixed seed; a short warm-up run per engine keeps start-up compiles out of the numbers. PP=1 runs
-eagerly (``enforce_eager``) unless ``--pp1-graphs``: PP>1 stages run eagerly, so that is the
-like-for-like row. Reading the table (docs/distributed.md, "Finding where PP loses time"):
+fixed seed; a short warm-up run per engine keeps start-up compiles out of the numbers. On CUDA
+decode steps replay CUDA graphs at every pipeline size (a stage's graphs hold its layers, the
+transfers run around them); ``--eager`` turns them off everywhere. Reading the table
+(docs/distributed.md, "Where pipeline steps lose time"):
 
 - ``busy``: the stage's device time between a step's first and last work, less its waits for
   its peers, over the run's wall time. With M stages overlapping it should approach 1 on every
@@ -73,10 +74,10 @@ def workload(num_prompts: int, input_len: tuple[int, int], output_len: tuple[int
 def run(args: argparse.Namespace, pp: int) -> dict:
     """One engine at ``pp`` stages: warm up, then the timed run's summaries."""
     engine_args = dict(pipeline_parallel_size=pp, device=args.device, dtype=args.dtype,
-                       block_size=16, max_model_len=args.max_model_len, seed=args.seed,
-                       enforce_eager=pp > 1 or not args.pp1_graphs)
-    if args.max_num_seqs:
-        engine_args["max_num_seqs"] = args.max_num_seqs
+                       block_size=16, seed=args.seed, enforce_eager=args.eager)
+    for name in ("max_model_len", "max_num_seqs"):
+        if getattr(args, name):
+            engine_args[name] = getattr(args, name)
     with LLM(args.model, **engine_args) as llm:
         vocab = llm.engine.vocab_size
         warm_prompts, warm_params = workload(4, (16, 32), (4, 8), vocab, args.seed + 1)
@@ -133,10 +134,10 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--input-len", type=int, nargs=2, default=(32, 128))
     parser.add_argument("--output-len", type=int, nargs=2, default=(16, 64))
-    parser.add_argument("--max-model-len", type=int, default=1024)
-    parser.add_argument("--max-num-seqs", type=int, default=0)
-    parser.add_argument("--pp1-graphs", action="store_true",
-                        help="PP=1 with decode CUDA graphs (default: eager, like the stages)")
+    parser.add_argument("--max-model-len", type=int, default=0, help="default: the model's")
+    parser.add_argument("--max-num-seqs", type=int, default=0, help="default: the engine's")
+    parser.add_argument("--eager", action="store_true",
+                        help="no decode CUDA graphs (at every pipeline size)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     os.environ[timeline.ENV_VAR] = "1"  # before the engines start: workers inherit it

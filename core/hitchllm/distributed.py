@@ -242,16 +242,14 @@ def send_to_next_stage(x: torch.Tensor) -> None:
     dist.send(x.contiguous(), dst=_state.global_rank + _state.tp_size, group=_next_stage_group)
 
 
-def recv_from_previous_stage(
-    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """The tensor this tensor-parallel rank of the previous pipeline stage sends."""
+def recv_from_previous_stage(into: torch.Tensor) -> torch.Tensor:
+    """Receive into ``into`` (contiguous) the tensor this tensor-parallel rank of the previous
+    pipeline stage sends (of its shape and dtype); returns ``into``."""
     if _state.is_first_stage:
         raise RuntimeError("stage 0 is the first pipeline stage: it has no previous")
     _require_group()
-    x = torch.empty(shape, dtype=dtype, device=device)
-    dist.recv(x, src=_state.global_rank - _state.tp_size, group=_prev_stage_group)
-    return x
+    dist.recv(into, src=_state.global_rank - _state.tp_size, group=_prev_stage_group)
+    return into
 
 
 def _require_group() -> None:

@@ -10,7 +10,9 @@ Graphs read their inputs from the model runner's persistent buffers (``StepBuffe
 attention backend's persistent metadata (see ``CudaGraphSupport``), so replay needs no
 re-capture. All graphs share one memory pool; the largest is captured first. With tensor
 parallelism the forward's all-reduces (NCCL, on the current stream, no host sync) are part of
-the graphs.
+the graphs. A pipeline stage's graphs hold its layers only: the runner receives the previous
+stage's activations into the graph's input before a replay and sends its output after
+(``hitchllm.models.pipeline.StageGraphIO``).
 
 With a backend that supports it (``CudaGraphSupport.UNIFORM_BATCH``), batches where every
 request has the same number ``q > 1`` of new tokens (a request's newest token and its K drafts)
@@ -69,10 +71,10 @@ class DecodeGraphs:
         """
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        # With tensor parallelism the forward's all-reduces are captured too, while the NCCL
-        # process group's watchdog thread keeps polling its events: only this thread's calls
-        # must be capture-safe.
-        mode = "thread_local" if distributed.tp_world_size() > 1 else "global"
+        # In a process group (tensor parallelism, whose all-reduces are captured too, or
+        # pipeline stages) the NCCL watchdog thread keeps polling its events, and a stage's
+        # answer thread waits for steps: only this thread's calls must be capture-safe.
+        mode = "thread_local" if distributed.current_rank().world_size > 1 else "global"
         # Largest token count first: later graphs reuse its memory from the shared pool.
         keys = sorted(((s, q) for q, sizes in self._sizes.items() for s in sizes),
                       key=lambda k: -k[0] * k[1])
@@ -88,6 +90,11 @@ class DecodeGraphs:
         logger.info("Captured %d CUDA graphs (batch sizes %s..%s, tokens per request %s) "
                     "in %.1f s", len(keys), self.sizes[0], self.sizes[-1],
                     "/".join(map(str, self.query_lens)), time.perf_counter() - start)
+
+    @property
+    def max_tokens(self) -> int:
+        """The most tokens of a graph (its padded batch size x tokens per request)."""
+        return max((s * q for q, sizes in self._sizes.items() for s in sizes), default=0)
 
     @property
     def captured(self) -> bool:

@@ -32,6 +32,7 @@ from hitchllm.engine.sampling_metadata import build_sampling_metadata
 from hitchllm.engine.step_buffers import StepBuffers
 from hitchllm.kv_transfer.connector import KVConnector, run_kv_transfers
 from hitchllm.logits_processor import LogitsEdit, LogitsProcessor, LogitsRow
+from hitchllm.models.pipeline import StageGraphIO, graph_transfers, model_stage
 from hitchllm.sampling_params import SamplingParams
 from hitchllm.scheduler.step_plan import StepPlan
 
@@ -112,6 +113,8 @@ class ModelRunner:
         # batches of ``graph_query_lens`` tokens per request (speculative verification).
         self.graphs = graphs_for(backend, device, cuda_graph_sizes or [], max_num_seqs,
                                  max_num_tokens, graph_query_lens)
+        # A pipeline stage's graph input and outputs (once its graphs are captured).
+        self.stage_io: StageGraphIO | None = None
         self.sampler = Sampler()
         # The newest sampled token of each input-batch row, kept on the device for a next
         # step scheduled before the host has seen it.
@@ -234,7 +237,16 @@ class ModelRunner:
             return self._eager_forward(b.input_ids.device[:tokens], b.positions.device[:tokens],
                                        self._graph_metadata)
 
-        self.graphs.capture(prepare, forward)
+        stage = model_stage(self.model)
+        if stage is None or stage.pp_size == 1:
+            self.graphs.capture(prepare, forward)
+        else:
+            # A pipeline stage: the graphs run its layers; the runner receives and sends
+            # their activations around each replay.
+            self.stage_io = StageGraphIO(self.graphs.max_tokens, stage.hidden_size,
+                                         stage.dtype, self.device)
+            with graph_transfers(self.stage_io):
+                self.graphs.capture(prepare, forward)
         del self._graph_metadata
 
     # ---- one step ----------------------------------------------------------------------
@@ -313,7 +325,7 @@ class ModelRunner:
         if tl is not None:
             tl.device_mark("forward_start")
         if graph_size is not None and self.graphs is not None and self.graphs.captured:
-            hidden = self.graphs.replay(graph_size, query_len)
+            hidden = self._replay(graph_size, query_len)
         else:
             hidden = self._eager_forward(input_ids, positions, attn_metadata)
         if tl is not None:
@@ -322,6 +334,22 @@ class ModelRunner:
         if tl is not None:
             tl.device_mark("step_end")
         return pending
+
+    def _replay(self, size: int, query_len: int) -> torch.Tensor:
+        """Replay the graph of ``size`` requests of ``query_len`` tokens; a pipeline stage
+        receives its input first (after the first stage) and sends its output after (before
+        the last)."""
+        assert self.graphs is not None
+        io = self.stage_io
+        if io is None:
+            return self.graphs.replay(size, query_len)
+        rank, tokens = distributed.current_rank(), size * query_len
+        if not rank.is_first_stage:
+            io.receive(tokens)
+        hidden = self.graphs.replay(size, query_len)
+        if not rank.is_last_stage:
+            io.send(tokens)
+        return hidden
 
     def _sample_step(
         self, plan: StepPlan, states: list[RequestState], hidden: torch.Tensor,

@@ -197,11 +197,9 @@ class Worker:
         return self.runner.initialize_kv_cache(num_blocks, num_host_blocks)
 
     def capture_cuda_graphs(self) -> None:
-        """Capture the decode graphs; not with pipeline stages, whose forward sends and
-        receives activations (point-to-point transfers are not captured yet: each step of a
-        stage runs eagerly)."""
-        if self.rank.pp_size == 1:
-            self.runner.capture_cuda_graphs()
+        """Capture the decode graphs (a pipeline stage's without its transfers: the runner
+        receives and sends around each replay)."""
+        self.runner.capture_cuda_graphs()
 
     def kv_cache_bytes(self, gpu_memory_utilization: float) -> int:
         """CUDA: the bytes this rank's card leaves for its KV cache (see

@@ -11,12 +11,17 @@ modules a stage does not hold are skipped when it loads (``StageLayout.holds``).
 Between stages the hidden state and the residual stream travel as one ``[2, tokens,
 hidden]`` tensor, point-to-point (``hitchllm.distributed``). Every stage runs the same step
 plan and prepares the same inputs, so a receiving stage knows the number of tokens (padding
-included) without being told.
+included) without being told. Decode steps of a stage replay CUDA graphs of its layers; the
+transfers stay outside them (``StageGraphIO``: the runner receives into the graph's input
+before a replay and sends the graph's output after), and every stage pads a batch to the same
+graph size, so the token counts still match.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -80,25 +85,95 @@ class StageLayout:
         return True
 
     def receive(self, num_tokens: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The previous stage's hidden state and residual stream for ``num_tokens`` tokens."""
-        tl = timeline.ACTIVE
-        if tl is not None:
-            tl.device_mark("recv_start")
-        both = distributed.recv_from_previous_stage((2, num_tokens, self.hidden_size),
-                                                    self.dtype, device)
-        if tl is not None:
-            tl.device_mark("recv_end")
-        return both[0], both[1]
+        """The previous stage's hidden state and residual stream for ``num_tokens`` tokens
+        (inside ``graph_transfers``: from its input buffer, which the runner fills)."""
+        if _graph_io is not None:
+            both = _graph_io.input(num_tokens)
+            return both[0], both[1]
+        return _receive(torch.empty((2, num_tokens, self.hidden_size), dtype=self.dtype,
+                                    device=device))
 
     def send(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
-        """Hand the hidden state and residual stream to the next stage."""
+        """Hand the hidden state and residual stream to the next stage (inside
+        ``graph_transfers``: leave them for the runner to send)."""
         both = torch.stack((hidden, residual))
-        tl = timeline.ACTIVE
-        if tl is not None:
-            tl.device_mark("send_start")
-        distributed.send_to_next_stage(both)
-        if tl is not None:
-            tl.device_mark("send_end")
+        if _graph_io is not None:
+            _graph_io.outputs[both.shape[1]] = both
+            return
+        _send(both)
+
+
+def _receive(into: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    tl = timeline.ACTIVE
+    if tl is not None:
+        tl.device_mark("recv_start")
+    distributed.recv_from_previous_stage(into)
+    if tl is not None:
+        tl.device_mark("recv_end")
+    return into[0], into[1]
+
+
+def _send(both: torch.Tensor) -> None:
+    tl = timeline.ACTIVE
+    if tl is not None:
+        tl.device_mark("send_start")
+    distributed.send_to_next_stage(both)
+    if tl is not None:
+        tl.device_mark("send_end")
+
+
+class StageGraphIO:
+    """Where a pipeline stage's forward, captured in CUDA graphs, takes the previous stage's
+    activations from and leaves its own: point-to-point transfers stay outside the graphs
+    (a graph replays kernels, not a peer's timing). Before replaying the graph of
+    ``num_tokens`` tokens the runner receives into ``input(num_tokens)`` (a stage after the
+    first); after it, it sends ``outputs[num_tokens]`` (a stage before the last), the stacked
+    hidden state and residual the graph wrote."""
+
+    def __init__(self, max_tokens: int, hidden_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.hidden_size = hidden_size
+        # One flat buffer: its first 2 x n x hidden elements are a contiguous [2, n, hidden]
+        # for every n, which the transfer can write directly.
+        self._input = torch.zeros(2 * max_tokens * hidden_size, dtype=dtype, device=device)
+        # Keyed by token count: with one query length (pipeline stages run no speculative
+        # decoding) every graph has its own.
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    def input(self, num_tokens: int) -> torch.Tensor:
+        """The [2, num_tokens, hidden] input of a graph of ``num_tokens`` tokens."""
+        return self._input[: 2 * num_tokens * self.hidden_size].view(2, num_tokens,
+                                                                      self.hidden_size)
+
+    def receive(self, num_tokens: int) -> None:
+        """Receive the previous stage's activations into the graph's input."""
+        _receive(self.input(num_tokens))
+
+    def send(self, num_tokens: int) -> None:
+        """Send what the graph of ``num_tokens`` tokens left to the next stage."""
+        _send(self.outputs[num_tokens])
+
+
+# The graph I/O a stage's forward uses while it is captured (``graph_transfers``), else None.
+_graph_io: StageGraphIO | None = None
+
+
+@contextmanager
+def graph_transfers(io: StageGraphIO) -> Iterator[None]:
+    """While a stage's forward is captured: it reads its input from, and leaves its output
+    in, ``io`` instead of receiving and sending."""
+    global _graph_io
+    _graph_io = io
+    try:
+        yield
+    finally:
+        _graph_io = None
+
+
+def model_stage(model: nn.Module) -> StageLayout | None:
+    """The pipeline stage a model was built as (None: a model that does not split)."""
+    return next((stage for m in model.modules()
+                 if isinstance(stage := getattr(m, "stage", None), StageLayout)), None)
 
 
 class AbsentLayer(nn.Module):
