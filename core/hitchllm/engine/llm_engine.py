@@ -31,6 +31,7 @@ from hitchllm.engine.mp_executor import MultiprocExecutor
 from hitchllm.engine.output_processor import OutputProcessor
 from hitchllm.engine.pipeline_parallel import check_pipeline_parallel
 from hitchllm.engine.ray_executor import RayExecutor
+from hitchllm.engine.runner_output import RunnerOutput
 from hitchllm.engine.tensor_parallel import check_tensor_parallel, heads_per_rank
 from hitchllm.engine.worker import Worker, WorkerSetup, plugin_logits_processors
 from hitchllm.kv_cache.manager import KVCacheManager
@@ -82,6 +83,15 @@ class _Launched:
     # The executor's index of the step (its launches counted from 0).
     index: int = 0
     launched_at: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class _Folded:
+    """A completed step whose tokens the scheduler has; its outputs are still to build."""
+
+    launched: _Launched
+    result: RunnerOutput
+    updated: list[Request]
 
 
 @dataclass
@@ -682,28 +692,47 @@ class LLMEngine:
         return transfers is not None and transfers.has_work()
 
     def _step_pipelined(self, outputs: list[RequestOutput], work: _StepWork) -> None:
-        """One step with pipeline stages: launch a micro-batch of the requests no step in
-        flight holds (their tokens are known, so the driver can feed them to the earlier
-        stages), then complete the oldest steps while M are in flight, or while nothing was
-        free to launch (the oldest step's requests are free again once it completes)."""
-        busy = {r for launched in self._in_flight for r in launched.requests}
-        plan = self._schedule(busy)
-        requests = [self.scheduler.requests[rid] for rid in plan.request_ids]
-        if plan.is_empty and not self._in_flight and self.scheduler.has_unfinished_requests():
-            raise RuntimeError("scheduler made no progress with unfinished requests queued")
-        work.running = requests
-        # An empty plan still tells the stages of finished and preempted requests; it queues
-        # behind the steps in flight (steps complete in launch order).
-        self._in_flight.append(self._launch(plan, requests))
-        work.running = []
-        waited = False  # for a step of requests (when nothing was free to launch)
-        while self._in_flight:
-            oldest = self._in_flight[0]
-            if not (oldest.plan.is_empty or self._num_in_flight() >= self._micro_batches
-                    or (plan.is_empty and not waited)):
-                break
-            outputs += self._complete_in_flight(work)
-            waited = waited or not oldest.plan.is_empty
+        """One step with pipeline stages: fold the oldest step's tokens into the scheduler
+        while M steps are in flight (and plans that only carry ids lead), launch a
+        micro-batch of the requests no step in flight holds (their tokens are known, so the
+        driver can feed them to the earlier stages), and only then build the folded steps'
+        outputs (detokenizing, stop strings): the stages wait for the next micro-batch no
+        longer than scheduling it takes. When nothing is free to launch, the oldest step of
+        requests is folded and the scheduler asked again. A request that a stop string ends
+        may thus be in the micro-batch just launched: it finishes in flight (its blocks are
+        freed at once, its extra token dropped), as under async scheduling."""
+        folded: list[_Folded] = []
+        try:
+            while True:
+                while self._in_flight and (self._in_flight[0].plan.is_empty
+                                           or self._num_in_flight() >= self._micro_batches):
+                    folded.append(self._fold_in_flight(work))
+                busy = {r for launched in self._in_flight for r in launched.requests}
+                plan = self._schedule(busy)
+                requests = [self.scheduler.requests[rid] for rid in plan.request_ids]
+                if plan.is_empty and not self._in_flight and (
+                        self.scheduler.has_unfinished_requests()):
+                    raise RuntimeError("scheduler made no progress with unfinished requests "
+                                       "queued")
+                work.running = requests
+                # An empty plan still tells the stages of finished and preempted requests; it
+                # queues behind the steps in flight (steps complete in launch order).
+                self._in_flight.append(self._launch(plan, requests))
+                work.running = []
+                if not plan.is_empty or not self._num_in_flight():
+                    break
+                # Nothing was free: fold up to the oldest step of requests (one is in flight),
+                # whose requests are free then.
+                while True:
+                    folded.append(self._fold_in_flight(work))
+                    if not folded[-1].launched.plan.is_empty:
+                        break
+            while self._in_flight and self._in_flight[0].plan.is_empty:
+                folded.append(self._fold_in_flight(work))
+        finally:
+            # Also when a step failed: the tokens folded before it reach their outputs.
+            for done in folded:
+                outputs += self._emit(done)
 
     def _schedule(self, busy: set[Request] | None = None) -> StepPlan:
         tl = timeline.ACTIVE
@@ -732,9 +761,12 @@ class LLMEngine:
         return sum(not launched.plan.is_empty for launched in self._in_flight)
 
     def _complete_in_flight(self, work: _StepWork) -> list[RequestOutput]:
+        return self._emit(self._fold_in_flight(work))
+
+    def _fold_in_flight(self, work: _StepWork) -> _Folded:
         in_flight = self._in_flight.popleft()
         work.running = in_flight.requests
-        return self._complete(in_flight)
+        return self._fold(in_flight)
 
     def _recover(self, exc: Exception, work: _StepWork) -> list[RequestOutput]:
         """Contain a failed step (see ``step``); returns the outputs it still produced."""
@@ -786,6 +818,11 @@ class LLMEngine:
 
     def _complete(self, launched: _Launched) -> list[RequestOutput]:
         """Wait for a launched step's tokens and fold them into requests and outputs."""
+        return self._emit(self._fold(launched))
+
+    def _fold(self, launched: _Launched) -> _Folded:
+        """Wait for a launched step's tokens and fold them into the scheduler's requests
+        (token stops end requests here)."""
         result = launched.output.result()
         tl = timeline.ACTIVE
         if tl is not None:
@@ -797,14 +834,19 @@ class LLMEngine:
                                               time.perf_counter() - launched.launched_at)
         updated = self.scheduler.update_from_output(
             launched.plan, launched.requests, result.sampled)
+        return _Folded(launched, result, updated)
+
+    def _emit(self, folded: _Folded) -> list[RequestOutput]:
+        """The outputs of a folded step (detokenized; stop strings end requests here)."""
+        result = folded.result
         outputs, stopped = self.output_processor.process(
-            updated, result.logprobs, result.prompt_logprobs)
+            folded.updated, result.logprobs, result.prompt_logprobs)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         if self.drafter is not None:
             self.drafter.propose(self.scheduler.running, result)
-        if tl is not None:
-            tl.mark("outputs_done", launched.index)
+        if timeline.ACTIVE is not None:
+            timeline.ACTIVE.mark("outputs_done", folded.launched.index)
         return outputs
 
     def stats(self) -> EngineStats:
