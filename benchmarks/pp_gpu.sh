@@ -5,10 +5,10 @@
 # The offline throughput workload ($NUM_PROMPTS, default 256 prompts of random token ids, input 100-1024, output
 # 100-1024), output tok/s of each row:
 #   1. PP=1 (one GPU, decode CUDA graphs);
-#   2. PP=1 --enforce-eager (one GPU, no graphs: PP=2 runs its steps eagerly, so this row is
-#      the like-for-like baseline of the stage overlap);
-#   3. PP=2 (two stages, 16 layers each; the engine keeps 2 micro-batches in flight, so each
-#      stage computes one while the other stage computes the other, docs/distributed.md).
+#   2. PP=1 --enforce-eager (one GPU, no graphs: how much of row 1 the graphs make);
+#   3. PP=2 (two stages, 16 layers each, each replaying decode graphs of its layers; the engine
+#      keeps 2 micro-batches in flight, so each stage computes one while the other stage
+#      computes the other, docs/distributed.md).
 # Scaling efficiency of PP=2 = (row 3 tok/s) / (2 x row 1 tok/s). The engine's counter
 # max_steps_in_flight (2 with PP=2) is printed after the PP=2 row as a check that the stages
 # overlapped. Every table is appended to $RESULTS (default benchmarks/RESULTS.md).

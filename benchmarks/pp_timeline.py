@@ -24,6 +24,7 @@ transfers run around them); ``--eager`` turns them off everywhere. Reading the t
 - ``launch ms``: host time to prepare and launch a step; eager CUDA steps whose ``launch ms``
   is close to ``fwd ms`` are host-bound (launches, not the GPU, set the pace).
 - ``lag ms``: the step's last device work -> its answer sent to the driver.
+- ``graph steps``: steps whose forward replayed a CUDA graph (decode steps on CUDA).
 """
 
 from __future__ import annotations
@@ -111,11 +112,13 @@ def print_table(results: list[dict]) -> None:
               f"({min(reqs)}-{max(reqs)}) | {statistics.mean(d.batch_tokens or [0]):.1f} | "
               f"{d.mean_in_flight:.2f}/{d.max_in_flight} | {d.schedule_ms:.2f} | "
               f"{d.round_trip_ms:.2f} | {d.outputs_ms:.2f} |")
-    print("\n| run | stage | steps | busy | fwd ms | wait ms | idle ms | launch ms | lag ms |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| run | stage | steps | graph steps | busy | fwd ms | wait ms | idle ms | launch ms "
+          "| lag ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         for s in r["stages"]:
-            print(f"| PP={r['pp']} | {s.who} | {s.steps} | {s.busy_fraction:.2f} | "
+            print(f"| PP={r['pp']} | {s.who} | {s.steps} | {s.graph_steps} | "
+                  f"{s.busy_fraction:.2f} | "
                   f"{s.forward_ms:.2f} | {s.wait_ms:.2f} | {s.idle_ms:.2f} | "
                   f"{s.launch_ms:.2f} | {s.answer_lag_ms:.2f} |")
     if len(results) > 1:

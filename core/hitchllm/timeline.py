@@ -130,6 +130,7 @@ class StageSummary:
     idle_ms: float  # mean per step: device idle between one step's end and the next's start
     launch_ms: float  # mean per step: host time to prepare and launch it
     answer_lag_ms: float  # mean per step: device done -> output sent (0 in one process)
+    graph_steps: int = 0  # steps whose forward replayed a CUDA graph
 
 
 @dataclass
@@ -187,6 +188,7 @@ def summarize_stage(who: str, marks: list[Mark], wall_s: float) -> StageSummary:
         idle_ms=1e3 * _mean(idle),
         launch_ms=1e3 * _mean(list(launch.values())),
         answer_lag_ms=1e3 * _mean(lags),
+        graph_steps=sum(m.what == "graph_replay" for m in marks),
     )
 
 

@@ -340,6 +340,8 @@ class ModelRunner:
         receives its input first (after the first stage) and sends its output after (before
         the last)."""
         assert self.graphs is not None
+        if timeline.ACTIVE is not None:
+            timeline.ACTIVE.mark("graph_replay", tokens=size * query_len)
         io = self.stage_io
         if io is None:
             return self.graphs.replay(size, query_len)
