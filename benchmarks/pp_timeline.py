@@ -30,6 +30,7 @@ transfers run around them); ``--eager`` turns them off everywhere. Reading the t
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import random
 import statistics
@@ -37,12 +38,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from hitchllm import LLM, SamplingParams, timeline
 
 
 def build_small_model(out: Path, hidden: int = 512, layers: int = 8) -> str:
     """A random Llama with ``layers`` decoder layers of width ``hidden`` (float32)."""
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hitchllm.tiny_model import build_tokenizer
@@ -76,9 +78,10 @@ def run(args: argparse.Namespace, pp: int) -> dict:
     """One engine at ``pp`` stages: warm up, then the timed run's summaries."""
     engine_args = dict(pipeline_parallel_size=pp, device=args.device, dtype=args.dtype,
                        block_size=16, seed=args.seed, enforce_eager=args.eager)
-    for name in ("max_model_len", "max_num_seqs"):
-        if getattr(args, name):
-            engine_args[name] = getattr(args, name)
+    # Every prompt may run at once; no more decode graphs are captured than that takes.
+    engine_args["max_num_seqs"] = args.max_num_seqs or args.num_prompts
+    if args.max_model_len:
+        engine_args["max_model_len"] = args.max_model_len
     with LLM(args.model, **engine_args) as llm:
         vocab = llm.engine.vocab_size
         warm_prompts, warm_params = workload(4, (16, 32), (4, 8), vocab, args.seed + 1)
@@ -138,7 +141,8 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, nargs=2, default=(32, 128))
     parser.add_argument("--output-len", type=int, nargs=2, default=(16, 64))
     parser.add_argument("--max-model-len", type=int, default=0, help="default: the model's")
-    parser.add_argument("--max-num-seqs", type=int, default=0, help="default: the engine's")
+    parser.add_argument("--max-num-seqs", type=int, default=0,
+                        help="default: --num-prompts (all run at once)")
     parser.add_argument("--eager", action="store_true",
                         help="no decode CUDA graphs (at every pipeline size)")
     parser.add_argument("--seed", type=int, default=0)
@@ -147,7 +151,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if args.model is None:
             args.model = build_small_model(Path(tmp) / "llama-512x8")
-        print_table([run(args, pp) for pp in args.pp])
+        results = []
+        for pp in args.pp:
+            results.append(run(args, pp))
+            # A PP=1 engine ran in this process: hand its memory back before rank 0 of the
+            # next engine starts on the same card.
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        print_table(results)
 
 
 if __name__ == "__main__":
