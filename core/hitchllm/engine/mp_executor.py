@@ -15,7 +15,9 @@ digest of its sampled tokens, checked against rank 0's. The driver does not wait
 launches a step, so it schedules the next step while the workers compute this one; a CUDA
 worker answers a step once it has launched the next (its device is never idle while it
 prepares a step) or when the driver asks for the answer (``flush``: no next step is coming
-first); a CPU worker has computed a step when it launched it and answers at once.
+first); a CPU worker has computed a step when it launched it and answers at once. A
+pipeline stage's worker answers each step from a thread of its own as soon as the step's
+output is ready (``worker_process.serve``).
 
 Pipeline stages: only the last stage samples; its tensor-parallel rank 0 answers, its other
 ranks send digests and the earlier stages answer None. The earlier stages need a request's
