@@ -29,6 +29,7 @@ def test_pp2_stage_graphs_generate_what_one_gpu_generates(tmp_path, monkeypatch,
     prompts = mixed_prompts(3) + mixed_prompts(4)
     expected = one_gpu_tokens(path, prompts, **ENGINE)
     monkeypatch.setenv(timeline.ENV_VAR, "1")  # the workers keep their marks
+    monkeypatch.setattr(timeline, "ACTIVE", None)  # and this process stops keeping its own after
     with tp_llm(path, pipeline_parallel_size=2, **ENGINE) as llm:
         assert greedy_tokens(llm, prompts) == expected
         marks = llm.engine.executor.timeline_marks()
