@@ -735,12 +735,14 @@ class LLMEngine:
                 outputs += self._emit(done)
 
     def _schedule(self, busy: set[Request] | None = None) -> StepPlan:
+        """The scheduler's next plan (``busy``: the requests of steps in flight, with
+        micro-batches)."""
         tl = timeline.ACTIVE
-        if tl is None:
-            return self.scheduler.schedule(busy or ())
-        tl.mark("schedule_start", self._num_launched)
-        plan = self.scheduler.schedule(busy or ())
-        tl.mark("schedule_end", self._num_launched)
+        if tl is not None:
+            tl.mark("schedule_start", self._num_launched)
+        plan = self.scheduler.schedule() if busy is None else self.scheduler.schedule(busy)
+        if tl is not None:
+            tl.mark("schedule_end", self._num_launched)
         return plan
 
     def _launch(self, plan: StepPlan, requests: list[Request]) -> _Launched:
