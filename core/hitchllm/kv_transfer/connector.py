@@ -25,6 +25,7 @@ the same step.
 from __future__ import annotations
 
 import abc
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -35,6 +36,8 @@ from hitchllm.kv_transfer.config import KVTransferConfig
 if TYPE_CHECKING:
     from hitchllm.plugins import PluginRegistry
     from hitchllm.scheduler.step_plan import StepPlan
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -218,13 +221,24 @@ def connector_class(config: KVTransferConfig, registry: PluginRegistry) -> type[
 
 
 def run_kv_transfers(connector: KVConnector, plan: StepPlan) -> KVTransferEvents:
-    """One step's connector calls, in the order the module docstring gives."""
+    """One step's connector calls, in the order the module docstring gives.
+
+    A save that raises (device memory for the copy, a transport error) is logged and reported
+    done: its request's consumer computes the prompt itself, and this engine goes on."""
     for rid in (*plan.finished_ids, *plan.preempted_ids, *plan.kv_load_cancels):
         connector.cancel_load(rid)
     for rid in plan.kv_load_finishes:
         connector.finish_load(rid)
+    failed = []
     for save in plan.kv_saves:
-        connector.save(save)
+        try:
+            connector.save(save)
+        except Exception:
+            logger.exception("request %s: saving its KV failed; its consumer will compute the "
+                             "prompt itself", save.request_id)
+            failed.append(save.request_id)
     for load in plan.kv_loads:
         connector.start_load(load)
-    return connector.poll()
+    events = connector.poll()
+    events.saves_done.extend(failed)
+    return events
