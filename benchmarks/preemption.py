@@ -37,7 +37,10 @@ ABOUT = ("Reproduce: `python benchmarks/preemption.py --model DIR --device cuda 
          "benchmarks/RESULTS.md`. A workload whose KV demand overflows the cache: every "
          "request submitted at once, greedy, EOS ignored. ITL = gaps between a request's "
          "successive tokens as the engine hands them out. Computed tokens: all tokens the "
-         "engine scheduled (recompute computes preempted tokens again).")
+         "engine scheduled (recompute computes preempted tokens again). In bf16 a mode that "
+         "forms other batches (swap resumes requests where recompute refills them) may flip "
+         "greedy near-ties, so fewer than all requests may match; the float32 tests "
+         "(tests/test_swap_*.py, tests/test_swap_gpu.py) check that the tokens are equal.")
 
 
 @dataclass
@@ -163,16 +166,16 @@ def main(argv: list[str] | None = None) -> list[ModeRun]:
 
     header = ("| mode | output tok/s | ITL p50 ms | ITL p99 ms | seconds | computed tokens | "
               "preemptions | swap outs / ins | blocks copied | fell back to recompute | "
-              "same tokens |")
+              "requests with the first mode's tokens |")
     rows = [header, "|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
-        same = "yes" if run.outputs == runs[0].outputs else "NO"
+        same = sum(a == b for a, b in zip(run.outputs, runs[0].outputs, strict=True))
         rows.append(
             f"| {run.mode} | {run.output_tokens / run.seconds:.1f} | "
             f"{1e3 * run.percentile(0.5):.1f} | {1e3 * run.percentile(0.99):.1f} | "
             f"{run.seconds:.2f} | {run.computed_tokens} | {run.preemptions} | "
             f"{run.swap_outs} / {run.swap_ins} | {run.blocks_copied} | {run.fallbacks} | "
-            f"{same} |")
+            f"{same}/{len(run.outputs)} |")
     print("\n".join(rows))
 
     if args.results:
