@@ -29,7 +29,7 @@ class SwapCostModel:
     The copies run on a side stream beside the forward passes: only the swapped request waits
     for them. A recompute runs its tokens as a prompt inside the engine's steps, which every
     running request shares: each of them waits for it (without that factor the rule chose
-    recompute for every preemption of a 0.6B model on an H200; with it, auto swaps there and
+    recompute for every preemption of a 0.6B model on an H100; with it, auto swaps and
     cuts p99 inter-token latency 4.5x at 0.97x of recompute's throughput).
 
     ``swap_seconds_per_block`` is measured when the KV cache is allocated (a round trip of
