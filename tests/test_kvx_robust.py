@@ -5,12 +5,16 @@ back, and the consumer gets the KV or computes the prompt itself (same greedy to
 from __future__ import annotations
 
 import logging
+import socket
 import time
 
+import pytest
 from server_process import free_port
 from test_kvx_engine import ENGINE, GREEDY, PROMPTS, kv_config, prefill, reference, run, tokens
 
 from hitchllm.config import EngineConfig
+from hitchllm.data_parallel import client
+from hitchllm.data_parallel.client import DataParallelEngine
 from hitchllm.engine.llm_engine import LLMEngine
 
 __all__ = ["reference"]  # a fixture used here
@@ -88,3 +92,24 @@ def test_a_save_that_raises_is_logged_and_the_producer_goes_on(llama_path, tmp_p
         assert producer.kv_cache.num_free_blocks == producer.num_kv_blocks
     finally:
         producer.close()
+
+
+def test_a_producer_port_in_use_fails_at_start_up_naming_the_option(llama_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ValueError, match=f"cannot listen on 127.0.0.1:{port}.*"
+                                             "kv_connector_extra_config.port"):
+            LLMEngine(EngineConfig(model=llama_path, **ENGINE, kv_transfer_config=kv_config(
+                "torch_distributed", "producer", port=port, backend="gloo")))
+
+
+def test_data_parallel_replicas_cannot_share_a_point_to_point_connector(llama_path, tmp_path):
+    config = EngineConfig(model=llama_path, **ENGINE, kv_transfer_config=kv_config(
+        "torch_distributed", "consumer", port=free_port(), backend="gloo"))
+    with pytest.raises(ValueError, match="data_parallel_size=2 replicas cannot share it"):
+        DataParallelEngine(config, 2, "tiny")
+    shared = EngineConfig(model=llama_path, **ENGINE, kv_transfer_config=kv_config(
+        "shared_memory", "consumer", path=str(tmp_path)))
+    client._check_kv_connector_replicas(shared, 2)  # files: any replica can read them

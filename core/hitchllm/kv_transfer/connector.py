@@ -100,6 +100,10 @@ class KVConnector(abc.ABC):
     """
 
     name: ClassVar[str]
+    #: Whether several engines of one role may run with the same settings (data-parallel
+    #: replicas behind one server). False for a transport that pairs one producer with one
+    #: consumer at a fixed address: ``serve --data-parallel-size N`` then refuses to start.
+    replicas_may_share: ClassVar[bool] = True
 
     def __init__(self, config: KVTransferConfig, engine_id: str, rank: int,
                  world_size: int) -> None:

@@ -55,6 +55,7 @@ class TorchDistributedConnector(BackgroundConnector):
     """KV pages over a two-process torch.distributed group (NCCL between GPUs)."""
 
     name = "torch_distributed"
+    replicas_may_share = False  # one producer, one consumer, one address
 
     def __init__(self, config: KVTransferConfig, engine_id: str, rank: int,
                  world_size: int) -> None:
@@ -75,6 +76,16 @@ class TorchDistributedConnector(BackgroundConnector):
         self._staged_lock = threading.Condition()
         super().__init__(config, engine_id, rank, world_size)
         if self.is_producer:
+            try:  # listen now: a port in use is a start-up error, not a silent serve thread
+                self._store = dist.TCPStore(
+                    self.host, self.port, 2, is_master=True, wait_for_workers=False,
+                    timeout=timedelta(seconds=config.kv_load_timeout_s))
+            except Exception as exc:
+                super().close()
+                raise ValueError(
+                    f"the torch_distributed KV connector cannot listen on {self.host}:"
+                    f"{self.port} ({exc}); give kv_connector_extra_config.port a free port "
+                    "(rank r listens on port + r)") from exc
             self._server = threading.Thread(target=self._serve, daemon=True,
                                             name="hitchllm-kv-serve")
             self._server.start()
@@ -172,6 +183,8 @@ class TorchDistributedConnector(BackgroundConnector):
                 self._group = None
                 if self._store is not None:
                     self._store.delete_key(_HELLO)
+                if self._closed.wait(1.0):
+                    return
         assert self._store is not None
         while not self._closed.is_set():
             key = f"want/{self._seq}"
