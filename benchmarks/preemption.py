@@ -1,14 +1,14 @@
 """Preemption under a KV cache that overflows: recompute vs swap to host memory (vs auto).
 
-One workload per mode, each in a fresh engine: ``--num-prompts`` random prompts of
-``--prompt-len`` tokens, all submitted at once, each generating ``--output-len`` tokens (EOS
-ignored, greedy), with the KV cache limited to ``--kv-fraction`` of what every request at full
-length needs (or exactly ``--num-kv-blocks``), so requests are preempted again and again.
-Each mode reports output throughput, the inter-token latency (the gaps between a request's
-successive tokens as ``LLMEngine.step`` hands them out; p50 and p99 over every gap of every
-request), the tokens the engine computed in all (recompute computes preempted tokens again),
-preemptions and swaps, the blocks copied to and from host memory, and whether its tokens equal
-the first mode's.
+One workload per mode, each in a fresh engine (after an untimed warm-up run):
+``--num-prompts`` random prompts of ``--prompt-len`` tokens, all submitted at once, each
+generating ``--output-len`` tokens (EOS ignored, greedy), with the KV cache limited to
+``--kv-fraction`` of what every request at full length needs (or exactly ``--num-kv-blocks``),
+so requests are preempted again and again. Each mode reports output throughput, the
+inter-token latency (the gaps between a request's successive tokens as ``LLMEngine.step``
+hands them out; p50 and p99 over every gap of every request), the tokens the engine computed
+in all (recompute computes preempted tokens again), preemptions and swaps, the blocks copied
+to and from host memory, and how many requests got the first mode's tokens.
 
     python benchmarks/preemption.py [--model DIR] [--device cuda] [--results benchmarks/RESULTS.md]
 
@@ -37,7 +37,10 @@ ABOUT = ("Reproduce: `python benchmarks/preemption.py --model DIR --device cuda 
          "benchmarks/RESULTS.md`. A workload whose KV demand overflows the cache: every "
          "request submitted at once, greedy, EOS ignored. ITL = gaps between a request's "
          "successive tokens as the engine hands them out. Computed tokens: all tokens the "
-         "engine scheduled (recompute computes preempted tokens again).")
+         "engine scheduled (recompute computes preempted tokens again). In bf16 a mode that "
+         "forms other batches (swap resumes requests where recompute refills them) may flip "
+         "greedy near-ties, so fewer than all requests may match; the float32 tests "
+         "(tests/test_swap_*.py, tests/test_swap_gpu.py) check that the tokens are equal.")
 
 
 @dataclass
@@ -159,20 +162,23 @@ def main(argv: list[str] | None = None) -> list[ModeRun]:
         vocab = ModelConfig.from_pretrained(model).vocab_size
         prompts = [[rng.randrange(1, vocab) for _ in range(args.prompt_len)]
                    for _ in range(args.num_prompts)]
+        # Untimed: kernels compile on first use, and the first timed mode would pay for it.
+        run_mode(model, args.modes[0], prompts[: max(1, len(prompts) // 8)], args,
+                 num_kv_blocks)
         runs = [run_mode(model, mode, prompts, args, num_kv_blocks) for mode in args.modes]
 
     header = ("| mode | output tok/s | ITL p50 ms | ITL p99 ms | seconds | computed tokens | "
               "preemptions | swap outs / ins | blocks copied | fell back to recompute | "
-              "same tokens |")
+              "requests with the first mode's tokens |")
     rows = [header, "|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
-        same = "yes" if run.outputs == runs[0].outputs else "NO"
+        same = sum(a == b for a, b in zip(run.outputs, runs[0].outputs, strict=True))
         rows.append(
             f"| {run.mode} | {run.output_tokens / run.seconds:.1f} | "
             f"{1e3 * run.percentile(0.5):.1f} | {1e3 * run.percentile(0.99):.1f} | "
             f"{run.seconds:.2f} | {run.computed_tokens} | {run.preemptions} | "
             f"{run.swap_outs} / {run.swap_ins} | {run.blocks_copied} | {run.fallbacks} | "
-            f"{same} |")
+            f"{same}/{len(run.outputs)} |")
     print("\n".join(rows))
 
     if args.results:

@@ -10,6 +10,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 
 def free_port() -> int:
@@ -77,3 +78,39 @@ def scrape(url: str, name: str, label: str = "") -> float:
     if not found:
         raise KeyError(name)
     return total
+
+
+def spawned_children(pid: int) -> list[int]:
+    """The processes ``pid`` started with multiprocessing's spawn (a server's replicas)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (proc / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+        if ppid == pid and b"spawn_main" in cmdline:
+            found.append(int(proc.name))
+    return sorted(found)
+
+
+@contextmanager
+def in_process_server(model: str, served_name: str) -> Iterator:
+    """A ``TestClient`` of one ordinary engine (block size 4, max_model_len 256) behind the
+    server's app, in this process: the reference a multi-process setup must answer like."""
+    from fastapi.testclient import TestClient
+
+    from hitchllm.config import EngineConfig
+    from hitchllm.engine.async_engine import AsyncLLMEngine
+    from hitchllm.engine.llm_engine import LLMEngine
+    from hitchllm.entrypoints.openai.metrics import ServerMetrics
+    from hitchllm.entrypoints.openai.server import build_app
+
+    engine = LLMEngine(EngineConfig(model=model, block_size=4, max_model_len=256))
+    async_engine = AsyncLLMEngine(engine)
+    app = build_app(async_engine, [served_name], engine.tokenizer, ServerMetrics(served_name))
+    with TestClient(app) as http:
+        yield http
+    async_engine.shutdown()

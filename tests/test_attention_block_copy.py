@@ -17,7 +17,8 @@ from hitchllm.plugins import get_plugin_registry
 NUM_BLOCKS = 6
 
 
-def _backends():
+def installed_backends() -> dict:
+    """Every installed attention backend by name."""
     found = {}
     for result in get_plugin_registry().hook.hitchllm_attention_backends():
         for backend in result or []:
@@ -25,10 +26,11 @@ def _backends():
     return found
 
 
-BACKENDS = _backends()
+BACKENDS = installed_backends()
 
 
-def _spec(backend, dtype=torch.float32) -> KVCacheSpec:
+def spec_for(backend, dtype=torch.float32) -> KVCacheSpec:
+    """A small cache spec of the kind ``backend`` serves (MLA latent or full attention)."""
     if "MLA" in backend.name:
         return KVCacheSpec(KVCacheKind.MLA_LATENT, 1, 24, dtype, 4)
     return KVCacheSpec(KVCacheKind.FULL_ATTENTION, 2, 8, dtype, 4)
@@ -37,7 +39,7 @@ def _spec(backend, dtype=torch.float32) -> KVCacheSpec:
 @pytest.mark.parametrize("name", sorted(BACKENDS))
 def test_copy_blocks_copies_exactly_the_named_blocks(name):
     backend = BACKENDS[name]
-    spec = _spec(backend)
+    spec = spec_for(backend)
     dim = block_dim(backend, spec)
     caches = [torch.randn(backend.get_kv_cache_shape_for_spec(NUM_BLOCKS, spec))
               for _ in range(2)]
@@ -52,7 +54,7 @@ def test_copy_blocks_copies_exactly_the_named_blocks(name):
 
 def test_fp8_caches_are_copied_as_bytes():
     backend = BACKENDS["TORCH"]
-    spec = _spec(backend, torch.float8_e4m3fn)
+    spec = spec_for(backend, torch.float8_e4m3fn)
     dim = block_dim(backend, spec)
     cache = torch.randn(backend.get_kv_cache_shape_for_spec(NUM_BLOCKS, spec)).to(
         torch.float8_e4m3fn)

@@ -28,7 +28,7 @@ from pathlib import Path
 import openai
 import pytest
 from fastapi.testclient import TestClient
-from server_process import free_port, scrape
+from server_process import free_port, scrape, spawned_children
 
 from hitchllm.config import EngineConfig
 from hitchllm.data_parallel.balancer import BalancerPolicy, LoadBalancer
@@ -48,23 +48,7 @@ class DPServer:
 
     def __init__(self, proc: subprocess.Popen, url: str, log: Path) -> None:
         self.proc, self.url, self.log = proc, url, log
-        self.replica_pids = children(proc.pid)
-
-
-def children(pid: int) -> list[int]:
-    """The processes ``pid`` started with multiprocessing's spawn (its replicas)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (proc / "cmdline").read_bytes()
-        except (OSError, IndexError, ValueError):  # gone meanwhile
-            continue
-        if ppid == pid and b"spawn_main" in cmdline:
-            found.append(int(proc.name))
-    return sorted(found)
+        self.replica_pids = spawned_children(proc.pid)
 
 
 @pytest.fixture(scope="module")

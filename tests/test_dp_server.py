@@ -20,15 +20,9 @@ from pathlib import Path
 
 import openai
 import pytest
-from fastapi.testclient import TestClient
-from server_process import running_server_process, scrape
+from server_process import in_process_server, running_server_process, scrape, spawned_children
 
-from hitchllm.config import EngineConfig
-from hitchllm.engine.async_engine import AsyncLLMEngine
-from hitchllm.engine.llm_engine import LLMEngine
 from hitchllm.entrypoints import cli
-from hitchllm.entrypoints.openai.metrics import ServerMetrics
-from hitchllm.entrypoints.openai.server import build_app
 
 MODEL = "tiny"
 ENGINE_ARGS = ["--block-size", "4", "--max-model-len", "256"]
@@ -58,12 +52,8 @@ def client(server):
 @pytest.fixture(scope="module")
 def reference(llama_path):
     """The one-engine server (data_parallel_size 1), in this process."""
-    engine = LLMEngine(EngineConfig(model=llama_path, block_size=4, max_model_len=256))
-    async_engine = AsyncLLMEngine(engine)
-    app = build_app(async_engine, [MODEL], engine.tokenizer, ServerMetrics(MODEL))
-    with TestClient(app) as http:
+    with in_process_server(llama_path, MODEL) as http:
         yield http
-    async_engine.shutdown()
 
 
 def routed(url: str) -> list[float]:
@@ -184,22 +174,6 @@ def test_bench_serve_runs_against_the_data_parallel_server(server, capsys):
     assert sum(spread) == 6 and min(spread) >= 2
 
 
-def replica_pids(server_pid: int) -> list[int]:
-    """The server's replica processes (its children started by multiprocessing's spawn)."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (proc / "cmdline").read_bytes()
-        except (OSError, IndexError, ValueError):  # gone meanwhile
-            continue
-        if ppid == server_pid and b"spawn_main" in cmdline:
-            pids.append(int(proc.name))
-    return sorted(pids)
-
-
 def health(url: str) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
@@ -212,7 +186,7 @@ def health(url: str) -> tuple[int, str]:
 def test_a_killed_replica_fails_its_requests_and_the_other_serves_on(dp_server):
     """Runs last in this module: it leaves the server with one replica."""
     url, proc = dp_server
-    pids = replica_pids(proc.pid)
+    pids = spawned_children(proc.pid)
     assert len(pids) == 2
     streams: dict[int, str] = {}
     started = threading.Barrier(3, timeout=30)

@@ -14,15 +14,9 @@ from contextlib import contextmanager
 
 import openai
 import pytest
-from fastapi.testclient import TestClient
-from server_process import running_server, running_server_process, scrape
+from server_process import in_process_server, running_server, running_server_process, scrape
 
-from hitchllm.config import EngineConfig
-from hitchllm.engine.async_engine import AsyncLLMEngine
-from hitchllm.engine.llm_engine import LLMEngine
 from hitchllm.entrypoints.disagg_router import prefill_body
-from hitchllm.entrypoints.openai.metrics import ServerMetrics
-from hitchllm.entrypoints.openai.server import build_app
 
 MODEL = "tiny"
 ENGINE_ARGS = ["--block-size", "4", "--max-model-len", "256", "--served-model-name", MODEL]
@@ -58,12 +52,8 @@ def instances(llama_path, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(llama_path):
     """One ordinary engine behind the same server code, in this process."""
-    engine = LLMEngine(EngineConfig(model=llama_path, block_size=4, max_model_len=256))
-    async_engine = AsyncLLMEngine(engine)
-    app = build_app(async_engine, [MODEL], engine.tokenizer, ServerMetrics(MODEL))
-    with TestClient(app) as http:
+    with in_process_server(llama_path, MODEL) as http:
         yield http
-    async_engine.shutdown()
 
 
 def sse_text(chunks, chat: bool) -> str:

@@ -4,13 +4,12 @@ all three configurations and appends its table."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from bench_support import load_benchmark
 from lora_reference import assert_outputs_match_peft
 from peft import PeftModel
 from peft.utils import get_peft_model_state_dict
@@ -21,7 +20,6 @@ from transformers import AutoModelForCausalLM
 from hitchllm import LLM, LoRARequest, SamplingParams
 from hitchllm.tiny_model import build_tiny_checkpoint
 
-BENCH_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
 MAX_NEW = 6
 # name -> (rank, targets, alpha): every projection, and a subset with another alpha.
 ADAPTERS = {"all": (8, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -32,13 +30,7 @@ ADAPTERS = {"all": (8, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 @pytest.fixture
 def bench(monkeypatch):
     """benchmarks/lora_throughput.py as a module (benchmarks/ on sys.path for its imports)."""
-    monkeypatch.syspath_prepend(str(BENCH_DIR))
-    spec = importlib.util.spec_from_file_location("lora_throughput_bench",
-                                                  BENCH_DIR / "lora_throughput.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "lora_throughput_bench", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark(monkeypatch, "lora_throughput.py")
 
 
 @pytest.fixture

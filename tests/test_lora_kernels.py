@@ -5,12 +5,9 @@ Llama-8B layer's sizes, and inside a CUDA graph)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from bench_support import load_benchmark
 
 pytest.importorskip("hitchllm_lora")
 
@@ -232,13 +229,7 @@ def test_bad_shapes_are_refused_with_what_to_change():
 def test_benchmark_smoke_run_on_cpu(tmp_path, monkeypatch, capsys):
     """``benchmarks/lora_kernels.py --device cpu`` runs its tiny shapes through the
     interpreter, agrees with the per-adapter loop and appends its table."""
-    bench_dir = Path(__file__).resolve().parents[1] / "benchmarks"
-    monkeypatch.syspath_prepend(str(bench_dir))
-    spec = importlib.util.spec_from_file_location("lora_kernels_bench",
-                                                  bench_dir / "lora_kernels.py")
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "lora_kernels_bench", bench)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark(monkeypatch, "lora_kernels.py")
     results = tmp_path / "RESULTS.md"
     bench.main(["--device", "cpu", "--results", str(results)])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]

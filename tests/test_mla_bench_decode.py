@@ -5,27 +5,18 @@ table) give the reference through a torch stand-in of FlashInfer's MLA wrapper."
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from bench_support import load_benchmark
 
 pytest.importorskip("triton")
 pytest.importorskip("hitchllm_attention_mla")
 
-BENCH_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
 @pytest.fixture
 def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH_DIR))
-    spec = importlib.util.spec_from_file_location("mla_decode_bench", BENCH_DIR / "mla_decode.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "mla_decode_bench", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark(monkeypatch, "mla_decode.py")
 
 
 def test_cpu_smoke_run_checks_prints_and_appends(bench, tmp_path, capsys):

@@ -5,13 +5,11 @@ Qwen3-MoE engine whose greedy tokens do not change when the kernel replaces PyTo
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from bench_support import load_benchmark
 from test_models_hf_parity import mixed_prompts, run
 
 pytest.importorskip("triton")
@@ -181,13 +179,7 @@ def test_qwen3_moe_greedy_tokens_equal_the_torch_method(tmp_path, monkeypatch):
 def test_benchmark_smoke_run_on_cpu(tmp_path, monkeypatch, capsys):
     """``benchmarks/moe_kernels.py --device cpu`` runs its tiny shapes through the
     interpreter, agrees with the per-expert loop and appends its table under its section."""
-    bench_dir = Path(__file__).resolve().parents[1] / "benchmarks"
-    monkeypatch.syspath_prepend(str(bench_dir))
-    spec = importlib.util.spec_from_file_location("moe_kernels_bench",
-                                                  bench_dir / "moe_kernels.py")
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "moe_kernels_bench", bench)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark(monkeypatch, "moe_kernels.py")
     results = tmp_path / "RESULTS.md"
     bench.main(["--device", "cpu", "--results", str(results)])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]

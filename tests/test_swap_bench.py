@@ -3,23 +3,13 @@ tokens, swap really swaps and computes fewer tokens, and the table lands in --re
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-BENCH_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
+from bench_support import load_benchmark
 
 
 @pytest.fixture
 def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH_DIR))
-    spec = importlib.util.spec_from_file_location("preemption_bench", BENCH_DIR / "preemption.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "preemption_bench", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark(monkeypatch, "preemption.py")
 
 
 def test_cpu_smoke_run_compares_modes_and_appends(bench, tmp_path, capsys):

@@ -6,35 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_attention_block_copy import BACKENDS, spec_for
 
-from hitchllm.attention import KVCacheKind, KVCacheSpec
 from hitchllm.attention.block_copy import block_dim
 from hitchllm.engine.kv_swap import HostKVCache, _runs, host_pool_blocks, host_pool_bytes
-from hitchllm.plugins import get_plugin_registry
 
 NUM_BLOCKS = 7
 NUM_HOST_BLOCKS = 5
 
 
-def _backends():
-    found = {}
-    for result in get_plugin_registry().hook.hitchllm_attention_backends():
-        for backend in result or []:
-            found[backend.name] = backend
-    return found
-
-
-BACKENDS = _backends()
-
-
-def _spec(backend, dtype=torch.float32) -> KVCacheSpec:
-    if "MLA" in backend.name:
-        return KVCacheSpec(KVCacheKind.MLA_LATENT, 1, 24, dtype, 4)
-    return KVCacheSpec(KVCacheKind.FULL_ATTENTION, 2, 8, dtype, 4)
-
-
 def _round_trip(backend, dtype: torch.dtype, device: torch.device) -> None:
-    spec = _spec(backend, dtype)
+    spec = spec_for(backend, dtype)
     dim = block_dim(backend, spec)
     shape = backend.get_kv_cache_shape_for_spec(NUM_BLOCKS, spec)
     caches = [torch.randn(shape, device=device).to(dtype) for _ in range(2)]
@@ -88,7 +70,7 @@ def test_cuda_swaps_never_sync_and_wait_only_when_needed():
     this step does not write is left for the next step to wait on, one it reuses (or any
     swap-in) is waited on at once."""
     backend = BACKENDS["TORCH"]
-    spec = _spec(backend)
+    spec = spec_for(backend)
     dim = block_dim(backend, spec)
     device = torch.device("cuda")
     cache = torch.randn(backend.get_kv_cache_shape_for_spec(NUM_BLOCKS, spec), device=device)
@@ -113,7 +95,7 @@ def test_cuda_swaps_never_sync_and_wait_only_when_needed():
 
 def test_host_pool_sizing_fits_the_budget_with_the_layouts_spare_block():
     backend = BACKENDS["TORCH"]  # holds a spare block per layer
-    specs = [_spec(backend)] * 3
+    specs = [spec_for(backend)] * 3
     per_block = 3 * specs[0].bytes_per_block
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     # 10 blocks' bytes give 9 blocks: the spare block takes one.

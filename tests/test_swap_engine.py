@@ -195,6 +195,17 @@ def test_swap_settings_are_checked():
         EngineConfig(preemption_mode="sometimes")
 
 
+def test_host_pools_larger_than_most_of_the_memory_are_refused(monkeypatch):
+    from hitchllm import config
+
+    monkeypatch.setattr(config, "host_memory_bytes", lambda: 16 * 2**30)
+    EngineConfig(preemption_mode="swap", swap_space=11)  # 69% of 16 GiB
+    with pytest.raises(ValueError, match=r"22\.0 GiB of host memory, more than 70% of this "
+                                         r"machine's 16\.0 GiB; lower swap_space"):
+        EngineConfig(preemption_mode="auto", swap_space=11, tensor_parallel_size=2)
+    EngineConfig(preemption_mode="recompute", swap_space=100)  # no pool: nothing to check
+
+
 def test_a_swap_space_below_one_block_is_refused(case):
     path, _, _ = case
     with pytest.raises(ValueError, match="holds no KV block"):

@@ -53,6 +53,9 @@ def test_the_auto_rule():
     assert cost.prefers_swap(10, 11) and not cost.prefers_swap(10, 9)
     cost.observe_step(100, 1.0)  # a slower step: the best rate seen stays
     assert cost.recompute_tokens_per_s == 1000
+    # A recompute delays every request sharing its steps; the copies delay only the one.
+    assert not cost.prefers_swap(10, 3, requests_sharing_the_steps=3)
+    assert cost.prefers_swap(10, 3, requests_sharing_the_steps=4)
 
 
 def test_swap_mode_needs_a_host_pool():

@@ -156,3 +156,19 @@ def test_gpu_engine_tokens_track_torch_backend(tiny_models):
     ref = run(LLM(path, device="cuda", attention_backend="TORCH"), prompts, max_tokens=4)
     got = run(LLM(path, device="cuda", attention_backend="TRITON_ATTN"), prompts, max_tokens=4)
     assert [g[:2] for g in got] == [r[:2] for r in ref]
+
+
+def test_decode_split_counts_are_few_powers_of_two():
+    """The split count is a kernel constexpr, so every distinct value compiles the kernel
+    anew: an eager run whose batches shrink and contexts grow must meet only a handful."""
+    from hitchllm_attention_triton.config import choose_kernel_config
+
+    seen = set()
+    for num_reqs in range(1, 257):
+        for max_seq_len in range(1, 8193, 37):
+            cfg = choose_kernel_config(num_reqs=num_reqs, max_query_len=1,
+                                       max_seq_len=max_seq_len, num_kv_heads=8, group=4,
+                                       head_size=128, num_sms=132, on_gpu=True)
+            seen.add(cfg.num_splits)
+            assert cfg.num_splits == 1 or cfg.num_splits * 4 * cfg.block_n <= max_seq_len
+    assert seen == {1, 2, 4, 8, 16}

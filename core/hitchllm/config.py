@@ -37,6 +37,14 @@ _KV_CACHE_DTYPES = {
 _SIZE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3,
                "mb": 10**6, "gb": 10**9}
 
+# The most of the machine's memory the host pools of swap preemption may take together.
+MAX_SWAP_SHARE = 0.7
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     """``"bfloat16"`` (or a torch dtype) to a torch dtype, with an error listing valid names."""
@@ -281,6 +289,16 @@ class EngineConfig(BaseModel):
                 f"preemption_mode={self.preemption_mode} swaps KV blocks to host memory but "
                 "swap_space is 0; give it some GiB (e.g. swap_space=4) or use "
                 "preemption_mode=recompute")
+        if self.preemption_mode != "recompute":
+            workers = self.tensor_parallel_size * self.pipeline_parallel_size
+            wanted = self.swap_space * 2**30 * workers
+            ram = host_memory_bytes()
+            if wanted > MAX_SWAP_SHARE * ram:
+                raise ValueError(
+                    f"swap_space={self.swap_space:g} GiB per worker x {workers} worker(s) is "
+                    f"{wanted / 2**30:.1f} GiB of host memory, more than "
+                    f"{MAX_SWAP_SHARE:.0%} of this machine's {ram / 2**30:.1f} GiB; lower "
+                    "swap_space")
         return self
 
     @model_validator(mode="after")

@@ -80,6 +80,7 @@ class DataParallelEngine:
         if a replica cannot start (the others are then stopped)."""
         if num_replicas < 1:
             raise ValueError(f"data_parallel_size must be at least 1, got {num_replicas}")
+        _check_kv_connector_replicas(config, num_replicas)
         self.config = config
         self.balancer = LoadBalancer(
             num_replicas, policy or BalancerPolicy.for_config(config))
@@ -367,3 +368,19 @@ def _aborted(last: RequestOutput) -> RequestOutput:
     return replace(last, finished=True, outputs=[
         seq if seq.finish_reason is not None else replace(seq, finish_reason="abort")
         for seq in last.outputs])
+
+
+def _check_kv_connector_replicas(config: EngineConfig, num_replicas: int) -> None:
+    """Refuse replicas that would share a connector made for one engine per role."""
+    kv = config.kv_transfer_config
+    if kv is None or num_replicas == 1:
+        return
+    from hitchllm.kv_transfer.connector import connector_class
+    from hitchllm.plugins import get_plugin_registry
+
+    if not connector_class(kv, get_plugin_registry()).replicas_may_share:
+        raise ValueError(
+            f"kv_connector {kv.kv_connector!r} pairs one producer with one consumer, so "
+            f"data_parallel_size={num_replicas} replicas cannot share it: start one instance "
+            "per GPU with its own kv_connector_extra_config.port (or use shared_memory, "
+            "which replicas can share)")

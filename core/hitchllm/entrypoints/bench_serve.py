@@ -27,7 +27,7 @@ from hitchllm.entrypoints.sse_client import split_url, stream_events
 @dataclass
 class RequestResult:
     ok: bool
-    ttft: float = 0.0
+    ttft: float | None = None  # None: no chunk carried text (the tokens decode to nothing)
     latency: float = 0.0
     output_tokens: int = 0
     chunk_gaps: list[float] = field(default_factory=list)
@@ -35,8 +35,9 @@ class RequestResult:
 
     @property
     def tpot(self) -> float | None:
-        """Time per output token after the first (None for a one-token request)."""
-        if self.output_tokens < 2:
+        """Time per output token after the first (None for a one-token request, or when no
+        chunk carried text)."""
+        if self.output_tokens < 2 or self.ttft is None:
             return None
         return (self.latency - self.ttft) / (self.output_tokens - 1)
 
@@ -141,7 +142,7 @@ def _pct(values: list[float], q: float) -> float:
 def summarize(results: list[RequestResult], duration: float) -> dict[str, float]:
     ok = [r for r in results if r.ok]
     gaps = [g for r in ok for g in r.chunk_gaps]
-    ttft = [r.ttft for r in ok]
+    ttft = [r.ttft for r in ok if r.ttft is not None]
     tpot = [t for r in ok if (t := r.tpot) is not None]
     e2e = [r.latency for r in ok]
     out_tokens = sum(r.output_tokens for r in ok)
@@ -149,6 +150,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, float]
         "requests": len(results), "failed": len(results) - len(ok), "duration_s": duration,
         "req_per_s": len(ok) / duration, "output_tok_per_s": out_tokens / duration,
         "output_tokens": out_tokens,
+        "textless": sum(r.ttft is None and r.output_tokens > 0 for r in ok),
     }
     for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", gaps), ("e2e", e2e)):
         for q in (50, 90, 99):
@@ -161,6 +163,11 @@ def print_table(s: dict[str, float]) -> None:
           f"duration {s['duration_s']:.2f} s")
     print(f"request throughput {s['req_per_s']:.2f} req/s, "
           f"output {s['output_tok_per_s']:.1f} tok/s ({int(s['output_tokens'])} tokens)")
+    if s["textless"]:
+        print(f"warning: {int(s['textless'])} requests streamed tokens but no text (the "
+              "tokenizer decodes their ids to nothing): TTFT, TPOT and ITL leave them out. "
+              "Serve a tokenizer that covers the model's vocabulary (benchmarks/build_model.py "
+              "writes one).")
     print(f"{'metric':<8}{'p50 ms':>10}{'p90 ms':>10}{'p99 ms':>10}")
     for name in ("ttft", "tpot", "itl", "e2e"):
         print(f"{name:<8}" + "".join(f"{s[f'{name}_p{q}_ms']:>10.1f}" for q in (50, 90, 99)))

@@ -25,6 +25,7 @@ the same step.
 from __future__ import annotations
 
 import abc
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -35,6 +36,8 @@ from hitchllm.kv_transfer.config import KVTransferConfig
 if TYPE_CHECKING:
     from hitchllm.plugins import PluginRegistry
     from hitchllm.scheduler.step_plan import StepPlan
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,10 @@ class KVConnector(abc.ABC):
     """
 
     name: ClassVar[str]
+    #: Whether several engines of one role may run with the same settings (data-parallel
+    #: replicas behind one server). False for a transport that pairs one producer with one
+    #: consumer at a fixed address: ``serve --data-parallel-size N`` then refuses to start.
+    replicas_may_share: ClassVar[bool] = True
 
     def __init__(self, config: KVTransferConfig, engine_id: str, rank: int,
                  world_size: int) -> None:
@@ -218,13 +225,24 @@ def connector_class(config: KVTransferConfig, registry: PluginRegistry) -> type[
 
 
 def run_kv_transfers(connector: KVConnector, plan: StepPlan) -> KVTransferEvents:
-    """One step's connector calls, in the order the module docstring gives."""
+    """One step's connector calls, in the order the module docstring gives.
+
+    A save that raises (device memory for the copy, a transport error) is logged and reported
+    done: its request's consumer computes the prompt itself, and this engine goes on."""
     for rid in (*plan.finished_ids, *plan.preempted_ids, *plan.kv_load_cancels):
         connector.cancel_load(rid)
     for rid in plan.kv_load_finishes:
         connector.finish_load(rid)
+    failed = []
     for save in plan.kv_saves:
-        connector.save(save)
+        try:
+            connector.save(save)
+        except Exception:
+            logger.exception("request %s: saving its KV failed; its consumer will compute the "
+                             "prompt itself", save.request_id)
+            failed.append(save.request_id)
     for load in plan.kv_loads:
         connector.start_load(load)
-    return connector.poll()
+    events = connector.poll()
+    events.saves_done.extend(failed)
+    return events

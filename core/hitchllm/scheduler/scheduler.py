@@ -510,8 +510,9 @@ class Scheduler:
             return False
         if mode is PreemptionMode.AUTO:
             to_copy, kept_tokens = self.kv_cache.swap_out_size(request)
+            # Everyone left running shares the steps a recompute would take.
             if not self.swap_cost.prefers_swap(
-                    to_copy, request.num_computed_tokens - kept_tokens):
+                    to_copy, request.num_computed_tokens - kept_tokens, len(self.running)):
                 return False
         if self.kv_cache.swap_out(request):
             self.stats.num_swap_outs += 1

@@ -63,4 +63,9 @@ def choose_kernel_config(
         # Split when the batch alone fills under ~2 waves of SMs and contexts are long.
         if programs < 2 * num_sms and max_seq_len >= 4 * block_n:
             splits = min(-(-2 * num_sms // programs), max_seq_len // (4 * block_n), 64)
+            # A power of two: the count is a constexpr, and each distinct value is a kernel
+            # compile of its own. Exact counts took up to ~30 values as batches shrank and
+            # contexts grew, and eager steps stalled on the compiles (an 8B model's eager
+            # throughput run spent most of its time there); seven values cover them all.
+            splits = 1 << (splits.bit_length() - 1)
     return KernelConfig(block_q, block_m, block_n, num_warps, num_stages, max(1, splits))

@@ -75,6 +75,11 @@ class BackgroundConnector(KVConnector):
         self._saves.put((save, pages, ready, time.monotonic()))
         self._wake.set()
 
+    def _report_saved(self, request_id: str) -> None:
+        """Tell the scheduler a save is over without sending anything (it was not made)."""
+        with self._lock:
+            self._events.saves_done.append(request_id)
+
     def start_load(self, load: KVLoad) -> None:
         with self._lock:
             self._loads[load.request_id] = _Load(load, time.monotonic())
