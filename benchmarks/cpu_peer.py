@@ -130,7 +130,14 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=900, help="seconds per run")
     parser.add_argument("--note", default="", help="said in the entry (e.g. the machine load)")
     parser.add_argument("--results", type=Path, help="append the table to this Markdown file")
+    parser.add_argument("--from-jsonl", type=Path,
+                        help="run nothing: summarize these results of an earlier run")
     args = parser.parse_args()
+    if args.from_jsonl:
+        records = [json.loads(line) for line in args.from_jsonl.read_text().splitlines()]
+        configs = list(dict.fromkeys(r["label"] for r in records))
+        report(records, configs, args, args.from_jsonl)
+        return
 
     interleave = args.harness / "interleave.py"
     if not interleave.exists():
@@ -156,13 +163,19 @@ def main() -> None:
                             "--timeout", str(args.timeout), "--out", str(out)],
                            env=env, check=True)
     records = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    report(records, configs, args, out)
+
+
+def report(records: list[dict], configs: list[str], args: argparse.Namespace,
+           source: Path) -> None:
+    """Print the table of ``records`` and append it to ``args.results`` when given."""
     for r in records:
         if r.get("error"):
             print(f"ERROR {r['label']} {r['model']} {r['dtype']} round {r['round']}: "
                   f"{r['error']}")
     rows = summarize(records, configs)
     cpu = cpu_description()
-    print(f"\n{cpu}\nraw results: {out}\n")
+    print(f"\n{cpu}\nraw results: {source}\n")
     print("\n".join(rows))
     if args.results:
         from results_md import append_results, entry_heading
