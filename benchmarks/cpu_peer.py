@@ -180,7 +180,12 @@ def report(records: list[dict], configs: list[str], args: argparse.Namespace,
     if args.results:
         from results_md import append_results, entry_heading
 
-        command = "python benchmarks/cpu_peer.py " + " ".join(sys.argv[1:])
+        argv, kept = sys.argv[1:], []
+        for i, arg in enumerate(argv):  # the entry says --note and --results itself
+            if arg not in ("--note", "--results") and (i == 0 or argv[i - 1] not in
+                                                       ("--note", "--results")):
+                kept.append(arg)
+        command = " ".join(["python benchmarks/cpu_peer.py", *kept])
         note = f"CPU: {cpu}." + (f" {args.note}" if args.note else "")
         append_results(args.results, entry_heading("cpu_peer", command, note) + rows,
                        SECTION, ABOUT)
