@@ -83,8 +83,9 @@ def main() -> None:
         from results_md import append_results, entry_heading
 
         argv = sys.argv[1:]
-        kept = [a for i, a in enumerate(argv) if a != "--results"
-                and (i == 0 or argv[i - 1] != "--results")]
+        said = ("--results", "--note")  # the entry says these itself
+        kept = [a for i, a in enumerate(argv) if a not in said
+                and (i == 0 or argv[i - 1] not in said)]
         note = f"CPU: {cpu}; {args.rounds} rounds." + (f" {args.note}" if args.note else "")
         heading = entry_heading("cpu_dtype", " ".join(["python benchmarks/cpu_dtype.py",
                                                        *kept]), note)
