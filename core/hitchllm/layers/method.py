@@ -156,7 +156,8 @@ class UnquantizedLinearMethod(LinearMethod):
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         weight = layer.weight
-        if weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 and not x.is_cuda \
+        # x.is_cuda first: on a GPU the check ends there, once per linear per step.
+        if not x.is_cuda and weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 \
                 and weight.device.type == "cpu" and not torch.is_grad_enabled():
             packed = layer.__dict__.get("_onednn_weight")
             if packed is None and onednn_bf16_available():
