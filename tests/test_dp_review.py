@@ -27,15 +27,10 @@ from pathlib import Path
 
 import openai
 import pytest
-from fastapi.testclient import TestClient
-from server_process import free_port, scrape, spawned_children
+from server_process import free_port, in_process_server, scrape, spawned_children
 
 from hitchllm.config import EngineConfig
 from hitchllm.data_parallel.balancer import BalancerPolicy, LoadBalancer
-from hitchllm.engine.async_engine import AsyncLLMEngine
-from hitchllm.engine.llm_engine import LLMEngine
-from hitchllm.entrypoints.openai.metrics import ServerMetrics
-from hitchllm.entrypoints.openai.server import build_app
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 
@@ -88,12 +83,8 @@ def dp(llama_path, tmp_path_factory) -> Iterator[DPServer]:
 @pytest.fixture(scope="module")
 def reference(llama_path):
     """The one-engine server (data_parallel_size 1), in this process."""
-    engine = LLMEngine(EngineConfig(model=llama_path, block_size=4, max_model_len=256))
-    async_engine = AsyncLLMEngine(engine)
-    app = build_app(async_engine, [MODEL], engine.tokenizer, ServerMetrics(MODEL))
-    with TestClient(app) as http:
+    with in_process_server(llama_path, MODEL) as http:
         yield http
-    async_engine.shutdown()
 
 
 def alive(pid: int) -> bool:

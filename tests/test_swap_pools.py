@@ -145,10 +145,9 @@ class Model:
                 (self.running if request in self.running else self.swapped).remove(request)
 
 
-@settings(max_examples=300, deadline=None)
-@given(ops=OPS, caching=st.booleans())
-def test_two_pools_keep_contents_and_counts(ops, caching):
-    model = Model(caching)
+def run_and_drain(model: Model, ops) -> None:
+    """Apply ``ops`` (name, pick, n), checking both pools after each; then free every request
+    and check that both pools are whole."""
     for name, pick, n in ops:
         model.op(name, pick, n)
         model.apply_copies()
@@ -159,20 +158,20 @@ def test_two_pools_keep_contents_and_counts(ops, caching):
     assert model.kv.num_free_host_blocks == HOST_BLOCKS
 
 
+@settings(max_examples=300, deadline=None)
+@given(ops=OPS, caching=st.booleans())
+def test_two_pools_keep_contents_and_counts(ops, caching):
+    run_and_drain(Model(caching), ops)
+
+
 def test_two_pools_under_a_seeded_random_sweep():
     """Many more (unshrunk) operation sequences than hypothesis tries: blocks evicted on the
     device between their swap-out and swap-in happen only in some."""
     rng = random.Random(20)
     for _ in range(400):
-        model = Model(rng.random() < 0.7)
-        for _ in range(rng.randrange(100)):
-            model.op(rng.choice(OP_NAMES), rng.randrange(51), rng.randrange(1, 5))
-            model.apply_copies()
-            model.check()
-        for request in model.running + model.swapped:
-            model.kv.free(request)
-        assert model.kv.num_free_blocks == DEVICE_BLOCKS
-        assert model.kv.num_free_host_blocks == HOST_BLOCKS
+        ops = [(rng.choice(OP_NAMES), rng.randrange(51), rng.randrange(1, 5))
+               for _ in range(rng.randrange(100))]
+        run_and_drain(Model(rng.random() < 0.7), ops)
 
 
 def test_a_cached_block_is_swapped_out_once():

@@ -110,19 +110,20 @@ def add_rms_norm(
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    cos = torch.cat((cos, cos), dim=-1).to(x.dtype)
-    sin = torch.cat((sin, sin), dim=-1).to(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    # x * [cos, cos] + [-x2, x1] * [sin, sin] for x = [x1, x2], half by half: the same
+    # products and sums (so the same roundings in any dtype) without building the rotated copy
+    # or the doubled tables.
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 def _apply_rotary(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     sin: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    c = cos[positions].unsqueeze(1)
-    s = sin[positions].unsqueeze(1)
+    # The tables are float32; rounded to the model dtype once for queries and keys alike.
+    c = cos[positions].to(q.dtype).unsqueeze(1)
+    s = sin[positions].to(q.dtype).unsqueeze(1)
     return _rotate(q, c, s), _rotate(k, c, s)
 
 

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from hitchllm.kv_transfer import KVLoad, KVSave, KVTransferConfig
-from hitchllm_kv_transfer.background import BackgroundConnector, side_stream
+from hitchllm_kv_transfer.background import BackgroundConnector, _nbytes, side_stream
 from hitchllm_kv_transfer.options import check_options
 
 _OPTIONS = {"host": str, "port": int, "backend": str, "ttl_s": (int, float),
@@ -231,14 +231,13 @@ class TorchDistributedConnector(BackgroundConnector):
 
     def _release(self, pages: list[torch.Tensor]) -> None:
         with self._staged_lock:
-            self._staged_bytes -= sum(p.numel() * p.element_size() for p in pages)
+            self._staged_bytes -= _nbytes(pages)
 
     def _drop_expired(self) -> None:
         now = time.monotonic()
         with self._staged_lock:
             for rid in [r for r, (_, t) in self._staged.items() if now - t > self.ttl_s]:
-                self._staged_bytes -= sum(p.numel() * p.element_size()
-                                          for p in self._staged.pop(rid)[0])
+                self._staged_bytes -= _nbytes(self._staged.pop(rid)[0])
             for rid in [r for r, t in self._refused.items() if now - t > self.ttl_s]:
                 del self._refused[rid]
 
