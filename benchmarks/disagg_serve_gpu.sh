@@ -65,7 +65,10 @@ start dp2 "$port" env CUDA_VISIBLE_DEVICES=$first,$second "${serve[@]}" --port "
 bench "2 ordinary instances (serve -dp 2), request rate $rate"
 stop_all
 
-kv=(--kv-connector "$connector" --kv-connector-extra-config '{"port": 14579}')
+# 2k-8k prompts of this model stage 0.2-0.6 GiB of KV each on the producer until the consumer
+# pulls them: allow 8 GiB (the default 2 GiB holds only the first few while the first transfer
+# opens its NCCL communicator).
+kv=(--kv-connector "$connector" --kv-connector-extra-config '{"port": 14579, "max_staged_gib": 8}')
 [ "$connector" = shared_memory ] && kv=(--kv-connector shared_memory)
 start prefill "$prefill_port" env CUDA_VISIBLE_DEVICES=$first "${serve[@]}" --port "$prefill_port" \
     --kv-role producer "${kv[@]}"
