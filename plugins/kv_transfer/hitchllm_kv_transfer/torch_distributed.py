@@ -134,6 +134,9 @@ class TorchDistributedConnector(BackgroundConnector):
             self._group = dist.ProcessGroupNCCL(store, rank, 2)
         else:
             self._group = dist.ProcessGroupGloo(store, rank, 2, timeout)
+        # One element each way opens NCCL's point-to-point communicator now (seconds), not on
+        # the first request's pages.
+        self._p2p(torch.zeros(1), send=self.is_producer)
 
     # ---- producer ------------------------------------------------------------------------------
 
