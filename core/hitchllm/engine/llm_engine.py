@@ -32,6 +32,7 @@ from hitchllm.engine.output_processor import OutputProcessor
 from hitchllm.engine.pipeline_parallel import check_pipeline_parallel
 from hitchllm.engine.ray_executor import RayExecutor
 from hitchllm.engine.runner_output import RunnerOutput
+from hitchllm.engine.startup import StartupClock
 from hitchllm.engine.tensor_parallel import check_tensor_parallel, heads_per_rank
 from hitchllm.engine.worker import Worker, WorkerSetup, plugin_logits_processors
 from hitchllm.kv_cache.manager import KVCacheManager
@@ -149,6 +150,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         init_logging()
+        self._startup = StartupClock()
         # The engine's own copy: hooks are handed ``engine_config`` as the engine's identity
         # (the LoRA plugin finds its adapters by it), so engines built from one (frozen,
         # shareable) config must not share it.
@@ -171,6 +173,7 @@ class LLMEngine:
                            "of %d and can never be generated; they are not used", outside,
                            config.model, mc.vocab_size)
         self.eos_token_ids = tuple(i for i in eos_ids if i not in outside)
+        self._startup.lap("config and tokenizer")
 
         self.kv_cache_dtype = config.resolve_kv_cache_dtype(self.dtype)
         self._check_fp8_kv_cache_support()
@@ -231,6 +234,7 @@ class LLMEngine:
             self.executor = InProcessExecutor(
                 worker, forward_thread=(self.device.type == "cpu" and self._overlaps(config)
                                         and self.proposer is None))
+        self._startup.lap("model")
         try:
             self._initialize_kv_cache()
         except BaseException:
@@ -278,6 +282,14 @@ class LLMEngine:
         # device marks need the device when it runs in this process.
         timeline.start("driver", self.device if isinstance(self.executor, InProcessExecutor)
                        else None)
+        self._startup.lap("scheduler")
+        logger.info("%s", self._startup.summary())
+
+    @property
+    def startup_times(self) -> dict[str, float]:
+        """Seconds each start-up phase took, in order (the first, where the platform tells a
+        process's age: from the process's start to the engine's creation)."""
+        return dict(self._startup.phases)
 
     @staticmethod
     def _overlaps(config: EngineConfig) -> bool:
@@ -305,8 +317,10 @@ class LLMEngine:
         config = self.config
         self.num_kv_blocks = self._num_kv_blocks()
         self.num_host_blocks = self._num_host_blocks()
+        self._startup.lap("KV cache sizing")
         self._swap_seconds_per_block = self.executor.initialize_kv_cache(
             self.num_kv_blocks, self.num_host_blocks)
+        self._startup.lap("KV cache allocation")
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d, so at most %.2f "
             "requests of full length at once; device %s, %s, KV cache %s",
@@ -324,6 +338,8 @@ class LLMEngine:
                         1e6 * (self._swap_seconds_per_block or 0.0))
         if not config.enforce_eager:
             self.executor.capture_cuda_graphs()
+            if self.device.type == "cuda":
+                self._startup.lap("CUDA graphs")
 
     def _kv_transfer_params(self) -> KVTransferParams | None:
         """Disaggregated serving: check the connector (before the model loads, so a bad name
