@@ -28,6 +28,8 @@ from __future__ import annotations
 import os
 import time
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
@@ -113,6 +115,18 @@ def start(who: str, device: torch.device | None = None) -> Timeline | None:
 def drain() -> list[Mark]:
     """This process's marks so far (empty without a timeline)."""
     return [] if ACTIVE is None else ACTIVE.drain()
+
+
+@contextmanager
+def device_span(name: str) -> Iterator[None]:
+    """Device marks ``{name}_start`` and ``{name}_end`` around the block, if a timeline is
+    kept."""
+    tl = ACTIVE
+    if tl is not None:
+        tl.device_mark(f"{name}_start")
+    yield
+    if tl is not None:
+        tl.device_mark(f"{name}_end")
 
 
 # ---- reading a run's marks -----------------------------------------------------------------

@@ -104,22 +104,14 @@ class StageLayout:
 
 
 def _receive(into: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    tl = timeline.ACTIVE
-    if tl is not None:
-        tl.device_mark("recv_start")
-    distributed.recv_from_previous_stage(into)
-    if tl is not None:
-        tl.device_mark("recv_end")
+    with timeline.device_span("recv"):
+        distributed.recv_from_previous_stage(into)
     return into[0], into[1]
 
 
 def _send(both: torch.Tensor) -> None:
-    tl = timeline.ACTIVE
-    if tl is not None:
-        tl.device_mark("send_start")
-    distributed.send_to_next_stage(both)
-    if tl is not None:
-        tl.device_mark("send_end")
+    with timeline.device_span("send"):
+        distributed.send_to_next_stage(both)
 
 
 class StageGraphIO:
