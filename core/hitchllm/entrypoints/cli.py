@@ -455,9 +455,9 @@ def main(argv: list[str] | None = None) -> int:
     from hitchllm.cpu_threads import default_omp_wait_policy
 
     default_omp_wait_policy()  # before anything imports torch
-    argv = sys.argv[1:] if argv is None else argv
-    with collector_paused():  # until the engine is built: see hitchllm.entrypoints.startup
-        return _run(argv)
+    # Without argv, this process is the command (run from the shell) and exits after it.
+    with collector_paused(process_exits_after=argv is None):  # see hitchllm.entrypoints.startup
+        return _run(sys.argv[1:] if argv is None else argv)
 
 
 def _run(argv: list[str]) -> int:

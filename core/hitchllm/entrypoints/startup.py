@@ -16,17 +16,22 @@ from contextlib import contextmanager
 
 
 @contextmanager
-def collector_paused() -> Iterator[None]:
+def collector_paused(process_exits_after: bool = False) -> Iterator[None]:
     """Run the block with the cyclic collector off until ``freeze_startup_objects`` (called
-    once the engine is built) turns it on again; afterwards restore the collector's state
-    and unfreeze what was frozen (a caller in the same process, e.g. a test calling the
-    command's ``main``, gets its collector back as it was)."""
+    once the engine is built) turns it on again; afterwards restore the collector's state.
+
+    ``process_exits_after``: the block is the whole life of the process (a command run from
+    the shell), so what was frozen stays frozen: unfrozen, the interpreter's exit would walk it
+    all once more (0.6 s of ``hitchllm generate``'s exit measured). Otherwise (a test calling
+    the command's ``main``) it is unfrozen, and the caller gets its collector back as it was.
+    """
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        gc.unfreeze()
+        if not process_exits_after:
+            gc.unfreeze()
         if enabled:
             gc.enable()
         else:
