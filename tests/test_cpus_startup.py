@@ -13,9 +13,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from hitchllm.bundled_model import default_model_path
+from hitchllm.engine.model_runner import zeroed_kv_cache
 from hitchllm.entrypoints.cli import main
 from hitchllm.tokenizer import (
     GENERIC_TOKENIZER_CLASSES,
@@ -92,11 +94,14 @@ def test_load_tokenizer_falls_back_for_a_checkpoint_naming_remote_code(tmp_path)
 
 STARTUP_PROBE = """
 import gc, json, sys
-full = []
+# Full collections inside main before start-up's objects are frozen (afterwards they are
+# cheap: the frozen objects are not walked).
+full, in_main = [], []
 gc.callbacks.append(lambda phase, info: phase == "stop" and info["generation"] == 2
-                    and full.append(1))
+                    and in_main and gc.get_freeze_count() == 0 and full.append(1))
 sys.argv = ["hitchllm", "generate", "--prompt", "def f", "--max-tokens", "2"]
 from hitchllm.entrypoints.cli import main
+in_main.append(True)
 rc = main()
 print(json.dumps({"rc": rc, "heavy": [m for m in HEAVY if m in sys.modules],
                   "full_collections": len(full), "frozen": gc.get_freeze_count(),
@@ -133,3 +138,19 @@ def test_main_in_process_gives_the_collector_back(llama_path, capsys):
         assert not gc.isenabled() and gc.get_freeze_count() == 0
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("num_blocks", [3, 4096])  # a few KiB, and 8-32 MiB (fresh pages)
+def test_cpu_kv_cache_is_zeroed_aligned_and_writable(dtype, num_blocks):
+    shape = (2, num_blocks, 16, 2, 32)
+    cache = zeroed_kv_cache(shape, dtype, torch.device("cpu"))
+    assert cache.shape == shape and cache.dtype == dtype and cache.is_contiguous()
+    assert cache.data_ptr() % 64 == 0
+    raw = cache.view(torch.uint8)
+    assert raw.count_nonzero().item() == 0
+    cache[1, -1, 15, 1].fill_(1.5)  # the last row of the last block: inside the tensor
+    written = cache.float().nonzero()
+    assert written.shape[0] == 32 and (written[:, :4] == torch.tensor(
+        [1, num_blocks - 1, 15, 1])).all()
+    assert (cache[1, -1, 15, 1].float() == 1.5).all()
