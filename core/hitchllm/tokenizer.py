@@ -3,14 +3,15 @@
 ``AutoTokenizer.from_pretrained`` builds the model's transformers configuration only to choose
 the tokenizer class, and in transformers 5 importing a configuration class such as
 ``LlamaConfig`` pulls in ``torch.distributed.tensor`` and sympy (``AutoTokenizer``'s own
-module costs more again): about 1.5 s of the bundled model's start-up on a 2-core CPU.
+module costs more again): about 1.3 s of the bundled model's start-up on a 2-core CPU.
 
 For a local checkpoint that names the generic fast tokenizer (``PreTrainedTokenizerFast`` or
 ``TokenizersBackend``, as tokenizers trained with the ``tokenizers`` library are saved) for a
 model type that transformers maps to no tokenizer of its own, ``AutoTokenizer`` ends up
-loading ``TokenizersBackend`` from the checkpoint's files, whatever its configuration holds;
-``load_tokenizer`` loads that class directly. Everything else (hub names, remote code, model
-types with a tokenizer class of their own, such as Qwen2's) goes through ``AutoTokenizer``.
+loading that generic class (``TokenizersBackend``, alias ``PreTrainedTokenizerFast``) from the
+checkpoint's files, whatever its configuration holds; ``load_tokenizer`` loads it directly.
+Everything else (hub names, remote code, model types with a tokenizer class of their own, such
+as Qwen2's) goes through ``AutoTokenizer``.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ def load_tokenizer(path: str | Path) -> Any:
     """The tokenizer of the checkpoint (or tokenizer directory, or hub name) ``path``, the same
     one ``transformers.AutoTokenizer.from_pretrained(path)`` returns."""
     if loads_generic_tokenizer(Path(path)):
-        from transformers import TokenizersBackend
+        # transformers 5's name for its TokenizersBackend, 4's for the same generic class.
+        from transformers import PreTrainedTokenizerFast
 
-        return TokenizersBackend.from_pretrained(str(path), _from_auto=True)
+        return PreTrainedTokenizerFast.from_pretrained(str(path), _from_auto=True)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path))
