@@ -68,7 +68,7 @@ def run_replica(spec: ReplicaSpec, conn: Connection) -> None:
     from hitchllm.engine.async_engine import AsyncLLMEngine
     from hitchllm.engine.llm_engine import LLMEngine
     from hitchllm.entrypoints.openai.metrics import ServerMetrics
-    from hitchllm.entrypoints.openai.startup import freeze_startup_objects
+    from hitchllm.entrypoints.startup import freeze_startup_objects
 
     try:
         engine = LLMEngine(spec.config)

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer
 
 from hitchllm import timeline
 from hitchllm.attention import FP8_DTYPES, AttentionSpec, bytes_per_shared_block
@@ -51,6 +50,7 @@ from hitchllm.scheduler.preemption import PreemptionMode, SwapCostModel
 from hitchllm.scheduler.scheduler import Scheduler, SchedulerConfig
 from hitchllm.scheduler.step_plan import StepPlan
 from hitchllm.speculative import Proposer
+from hitchllm.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ class LLMEngine:
         mc = self.model_config
         self.dtype = config.resolve_dtype(mc.checkpoint_dtype, self.device)
         self.max_model_len = self._resolve_max_model_len()
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         eos = self.tokenizer.eos_token_id
         # generation_config.json may name extra end-of-turn ids (Llama 3 <|eot_id|>, Qwen).
         eos_ids = dict.fromkeys(([] if eos is None else [eos]) + list(mc.eos_token_ids))

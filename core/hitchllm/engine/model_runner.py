@@ -3,6 +3,7 @@ happens, sampling. Owns the KV-cache tensors and the backend's metadata builder.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -150,7 +151,7 @@ class ModelRunner:
         impl_cls = self.backend.get_impl_cls()
         for layer, kv_spec in zip(self.layers, self.kv_cache_specs):
             shape = self.backend.get_kv_cache_shape_for_spec(num_blocks, kv_spec)
-            cache = torch.zeros(shape, dtype=kv_spec.dtype, device=self.device)
+            cache = zeroed_kv_cache(shape, kv_spec.dtype, self.device)
             impl = impl_cls(layer.num_heads, layer.head_size, layer.scale, layer.num_kv_heads,
                             self.spec)
             layer.bind(impl, cache)
@@ -544,3 +545,18 @@ class ModelRunner:
             gen = torch.Generator(self.device).manual_seed(seed)
             self._generators[request.request_id] = gen
         return gen
+
+
+def zeroed_kv_cache(shape: tuple[int, ...], dtype: torch.dtype,
+                    device: torch.device) -> torch.Tensor:
+    """A zero-filled KV-cache tensor. On the CPU it comes from ``calloc`` (through numpy),
+    whose large allocations are fresh pages the kernel hands out zeroed on first touch, so
+    nothing writes them up front: ``torch.zeros`` wrote every page of the bundled model's
+    512 MiB cache, 0.25-0.3 s of a 2.5 s start-up. Pages are faulted in as blocks are first
+    written. 64-byte aligned, as torch's own CPU allocator aligns."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.zeros(nbytes + 64, dtype=np.uint8)
+    start = -raw.ctypes.data % 64
+    return torch.from_numpy(raw[start:start + nbytes]).view(dtype).view(shape)

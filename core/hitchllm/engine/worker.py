@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import AutoTokenizer
 
 from hitchllm import distributed, timeline
 from hitchllm.attention import FP8_DTYPES, Attention, AttentionBackend, AttentionSpec
@@ -44,6 +43,7 @@ from hitchllm.models import fused
 from hitchllm.models.loader import load_model
 from hitchllm.plugins import PluginRegistry, get_plugin_registry
 from hitchllm.scheduler.step_plan import StepPlan
+from hitchllm.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ class Worker:
         s, config = self.setup, self.setup.config
         processors = self._logits_processors
         if processors is None:
-            tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+            tokenizer = load_tokenizer(config.tokenizer or config.model)
             processors = plugin_logits_processors(
                 self.registry, config, tokenizer, s.model_config.vocab_size, s.eos_token_ids)
         self._runner = ModelRunner(

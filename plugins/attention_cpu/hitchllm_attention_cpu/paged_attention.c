@@ -25,6 +25,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 typedef struct {
     const float *q;
@@ -84,6 +87,63 @@ static const float *rows_f32(const attn_args *a, const void *cache, const float 
     return buf;
 }
 
+#if defined(__AVX512F__)
+/* Lane t of the result: the sum of v[t]'s 16 lanes. Four rounds of pairwise interleave-and-add
+   (within 128-bit lanes by floats, then by pairs, then across 128-bit lanes twice) reduce the
+   16 vectors together: 15 adds for 16 dot products, where one horizontal sum each took 4. */
+static inline __m512 sum16(const __m512 *v) {
+    __m512 b[8], c[4];
+    for (int j = 0; j < 8; j++)
+        b[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]),
+                             _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+    for (int j = 0; j < 4; j++) {
+        const __m512d x = _mm512_castps_pd(b[2 * j]), y = _mm512_castps_pd(b[2 * j + 1]);
+        c[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    const __m512 e0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
+                                    _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+    const __m512 e1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88),
+                                    _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, 0x88), _mm512_shuffle_f32x4(e0, e1, 0xDD));
+}
+
+/* s[t] = scale * dot(q, k[t]) for the n <= 16 rows k[0..n-1] (d floats each, d a multiple of
+   16); rows past n read the zero row. */
+static inline __attribute__((always_inline)) void scores16(const float *q, const float *k,
+                                                           int64_t n, const int64_t d,
+                                                           const float *zero_row, float scale,
+                                                           float *s) {
+    const float *rows[16];
+    for (int t = 0; t < 16; t++) rows[t] = t < n ? k + t * d : zero_row;
+    __m512 acc[16];
+    for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < d; c += 16) {
+        const __m512 qc = _mm512_loadu_ps(q + c);
+        for (int t = 0; t < 16; t++)
+            acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(rows[t] + c), qc, acc[t]);
+    }
+    _mm512_mask_storeu_ps(s, (__mmask16)((1u << n) - 1u),
+                          _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
+}
+
+/* acc[0..d-1] += sum over t < n of p[t] * v[t], one 16-float column of acc at a time (held in
+   a register across the rows). */
+static inline __attribute__((always_inline)) void weighted_rows(float *acc, const float *p,
+                                                                const float *v, int64_t n,
+                                                                const int64_t d) {
+    for (int64_t c = 0; c < d; c += 16) {
+        __m512 a = _mm512_loadu_ps(acc + c);
+        for (int64_t t = 0; t < n; t++)
+            a = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), _mm512_loadu_ps(v + t * d + c), a);
+        _mm512_storeu_ps(acc + c, a);
+    }
+}
+#define VECTOR_ROWS(d) ((d) % 16 == 0)
+#else
+#define VECTOR_ROWS(d) 0
+#endif
+
 /* One request's queries of one KV head's group. d is a parameter so that the fixed-size
    copies below are compiled with a constant head size (unrolled, vectorized loops). */
 static inline __attribute__((always_inline)) void attend(const attn_args *a, int64_t r,
@@ -92,7 +152,8 @@ static inline __attribute__((always_inline)) void attend(const attn_args *a, int
     const int64_t bs = a->block_size;
     const int64_t g = a->num_heads / a->num_kv_heads;
     float *acc = scratch, *m = acc + g * d, *l = m + g, *s = l + g;
-    float *kbuf = s + g * bs, *vbuf = kbuf + bs * d;
+    float *kbuf = s + g * bs, *vbuf = kbuf + bs * d, *zero_row = vbuf + bs * d;
+    (void)zero_row; /* read by the AVX-512 score loop only */
     const int32_t *bt = a->block_table + r * a->bt_stride;
     for (int64_t j = 0; j < a->q_len[r]; j++) {
         const int64_t tok = a->q_start[r] + j;
@@ -107,6 +168,14 @@ static inline __attribute__((always_inline)) void attend(const attn_args *a, int
             const int64_t n = t1 - t0;
             const float *k = rows_f32(a, a->k_cache, a->k_lut, kvh, bt[c], t0 - c * bs, n, d,
                                       kbuf);
+#if defined(__AVX512F__)
+            if (VECTOR_ROWS(d)) {
+                for (int64_t i = 0; i < g; i++)
+                    for (int64_t t = 0; t < n; t += 16)
+                        scores16(q + i * d, k + t * d, n - t < 16 ? n - t : 16, d, zero_row,
+                                 a->scale, s + i * bs + t);
+            } else
+#endif
             for (int64_t t = 0; t < n; t++) {
                 const float *kt = k + t * d;
                 for (int64_t i = 0; i < g; i++) {
@@ -132,6 +201,11 @@ static inline __attribute__((always_inline)) void attend(const attn_args *a, int
             }
             const float *v = rows_f32(a, a->v_cache, a->v_lut, kvh, bt[c], t0 - c * bs, n, d,
                                       vbuf);
+#if defined(__AVX512F__)
+            if (VECTOR_ROWS(d)) {
+                for (int64_t i = 0; i < g; i++) weighted_rows(acc + i * d, s + i * bs, v, n, d);
+            } else
+#endif
             for (int64_t t = 0; t < n; t++) {
                 const float *vt = v + t * d;
                 for (int64_t i = 0; i < g; i++) {
@@ -178,12 +252,12 @@ int hitch_paged_attention(const float *q, const void *k_cache, const void *v_cac
         : head_size == 256 ? attend_256 : attend_any;
     const int64_t g = num_heads / num_kv_heads;
     const size_t scratch = sizeof(float) * (g * head_size + 2 * g + g * block_size
-                                            + 2 * block_size * head_size);
+                                            + 2 * block_size * head_size + head_size);
     const int64_t units = num_reqs * num_kv_heads;
     int status = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *buf = malloc(scratch);
+        float *buf = calloc(1, scratch); /* zeroed: the last head_size floats are the zero row */
         if (buf == NULL) {
 #pragma omp atomic write
             status = -1;

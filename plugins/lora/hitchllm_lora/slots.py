@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,8 +23,10 @@ from hitchllm.engine.input_batch import RequestState
 from hitchllm.engine.step_buffers import HostDeviceBuffer
 from hitchllm.lora import LoRARequest
 from hitchllm_lora.cache import AdapterCache, AdapterKey, adapter_key
-from hitchllm_lora.kernels import SlotGroups
 from hitchllm_lora.layers import LayerLoRA
+
+if TYPE_CHECKING:  # the Triton kernels load on first use (start-up time)
+    from hitchllm_lora.kernels import SlotGroups
 
 logger = logging.getLogger("hitchllm.lora")
 

@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hitchllm.config import EngineConfig
-from hitchllm.entrypoints.openai.startup import freeze_startup_objects
+from hitchllm.entrypoints.startup import freeze_startup_objects
 from hitchllm.lora import LoRARequest
+from hitchllm.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
     from hitchllm.engine.engine_client import EngineClient
@@ -45,7 +46,6 @@ def serve(
     the requests."""
     try:
         import uvicorn
-        from transformers import AutoTokenizer
 
         from hitchllm.entrypoints.openai.models import runtime_lora_updating_allowed
         from hitchllm.entrypoints.openai.server import build_app
@@ -74,7 +74,7 @@ def serve(
         if server is not None:
             server.should_exit = True
 
-    tokenizer: Any = AutoTokenizer.from_pretrained(engine_config.tokenizer or engine_config.model)
+    tokenizer: Any = load_tokenizer(engine_config.tokenizer or engine_config.model)
     # uvicorn stops gracefully on SIGTERM, then raises it again: exit through Python so that
     # the engines (replica processes, workers) are shut down, not left behind; from here on,
     # since a SIGTERM while the replicas (or tensor-parallel workers) load must stop them too.
