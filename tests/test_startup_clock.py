@@ -11,14 +11,14 @@ import time
 import pytest
 
 from hitchllm import LLM
-from hitchllm.engine.startup import StartupClock, process_age_s
+from hitchllm.engine.startup_clock import StartupClock, process_age_s
 
 pytestmark = pytest.mark.skipif(process_age_s() is None, reason="needs Linux /proc")
 
 
 def test_process_age_counts_from_the_process_start():
-    code = ("import time; time.sleep(1.5); from hitchllm.engine.startup import process_age_s; "
-            "print(process_age_s())")
+    code = ("import time; time.sleep(1.5); "
+            "from hitchllm.engine.startup_clock import process_age_s; print(process_age_s())")
     age = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                check=True).stdout)
     assert 1.5 <= age < 30

@@ -31,7 +31,7 @@ from hitchllm.engine.output_processor import OutputProcessor
 from hitchllm.engine.pipeline_parallel import check_pipeline_parallel
 from hitchllm.engine.ray_executor import RayExecutor
 from hitchllm.engine.runner_output import RunnerOutput
-from hitchllm.engine.startup import StartupClock
+from hitchllm.engine.startup_clock import StartupClock
 from hitchllm.engine.tensor_parallel import check_tensor_parallel, heads_per_rank
 from hitchllm.engine.worker import Worker, WorkerSetup, plugin_logits_processors
 from hitchllm.kv_cache.manager import KVCacheManager
