@@ -30,7 +30,7 @@ from typing import Any
 from hitchllm.config import EngineConfig
 from hitchllm.data_parallel.balancer import BalancerPolicy, LoadBalancer, NoLiveReplicaError
 from hitchllm.data_parallel.deltas import OutputDelta
-from hitchllm.data_parallel.handle import ReplicaHandle, RequestStream, as_exception
+from hitchllm.data_parallel.handle import ReplicaHandle, as_exception
 from hitchllm.data_parallel.messages import (
     Abort,
     Call,
@@ -43,7 +43,7 @@ from hitchllm.data_parallel.messages import (
 from hitchllm.data_parallel.metrics import DataParallelMetrics, Family, without_gauges
 from hitchllm.data_parallel.placement import replica_environments
 from hitchllm.data_parallel.replica import ReplicaSpec, run_replica
-from hitchllm.engine.async_engine import EngineDeadError, RequestFailedError
+from hitchllm.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
 from hitchllm.lora import LoRARequest
 from hitchllm.outputs import RequestOutput
 from hitchllm.sampling_params import SamplingParams
@@ -165,7 +165,7 @@ class DataParallelEngine:
                 raise EngineDeadError(f"data-parallel replica {index}: "
                                       f"{replica.dead_reason or 'it has stopped'}")
             while True:
-                item = await stream.queue.get()
+                item = await stream.get()
                 if item is _ABORTED:
                     done = True
                     if last is not None:
@@ -184,6 +184,22 @@ class DataParallelEngine:
             self.balancer.finished(index)
             if not done:
                 replica.send(Abort(request_id))
+
+    async def beam_search(self, prompts: list[Any], params: Any) -> list[Any]:
+        """``AsyncLLMEngine.beam_search`` on the least loaded replica (where it runs alone,
+        as there)."""
+        try:
+            index = self.balancer.choose()
+        except NoLiveReplicaError as exc:
+            raise EngineDeadError(self.dead_reason or str(exc)) from exc
+        try:
+            future = self._call(self.replicas[index], "beam_search", prompts, params)
+            if future is None:
+                raise EngineDeadError(self.dead_reason or
+                                      f"data-parallel replica {index} has stopped")
+            return await asyncio.wrap_future(future)
+        finally:
+            self.balancer.finished(index)
 
     def abort(self, request_id: str) -> None:
         replica = self._where.get(request_id)
@@ -359,7 +375,7 @@ class DataParallelEngine:
 
 def _put_all(batch: list[tuple[RequestStream, Any]]) -> None:
     for stream, item in batch:
-        stream.queue.put_nowait(item)
+        stream.push(item)
 
 
 def _aborted(last: RequestOutput) -> RequestOutput:

@@ -16,7 +16,7 @@ from typing import Any
 from hitchllm.outputs import CompletionOutput, RequestOutput
 
 
-@dataclass
+@dataclass(slots=True)
 class SequenceDelta:
     """One sequence: keep the first ``*_keep`` items of the previous output, then add."""
 
@@ -31,8 +31,15 @@ class SequenceDelta:
     stop_reason: int | str | None
     cumulative_logprob: float | None
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # Pickled as the constructor's arguments: a tuple, without field names per delta
+        # (a third of the time and bytes of the default pickle).
+        return SequenceDelta, (self.index, self.text_keep, self.text, self.tokens_keep,
+                               self.token_ids, self.logprobs_keep, self.logprobs,
+                               self.finish_reason, self.stop_reason, self.cumulative_logprob)
 
-@dataclass
+
+@dataclass(slots=True)
 class OutputDelta:
     """One output of a request; ``prompt`` (prompt text, token ids and logprobs) only when
     it differs from the last output sent (always in the first)."""
@@ -44,6 +51,14 @@ class OutputDelta:
     metrics: dict[str, float]
     error: str | None
     prompt: tuple[Any, list[int], Any] | None = None
+    # A producer's KV-transfer parameters (disaggregated serving), in its finished output.
+    kv_transfer_params: dict[str, Any] | None = None
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return OutputDelta, (self.request_id, self.finished, self.sequences,
+                             self.num_cached_tokens, self.metrics, self.error, self.prompt,
+                             self.kv_transfer_params)
+
 
 
 def _kept(old: list[Any], new: list[Any]) -> int:
@@ -87,7 +102,8 @@ class OutputEncoder:
             self._last[out.request_id] = out
         return OutputDelta(out.request_id, out.finished,
                            [_sequence_delta(olds.get(s.index), s) for s in out.outputs],
-                           out.num_cached_tokens, out.metrics, out.error, prompt)
+                           out.num_cached_tokens, out.metrics, out.error, prompt,
+                           out.kv_transfer_params)
 
     def forget(self, request_id: str) -> None:
         self._last.pop(request_id, None)
@@ -119,7 +135,8 @@ class OutputDecoder:
                 (prev.token_ids[:d.tokens_keep] if prev else []) + d.token_ids,
                 d.finish_reason, d.stop_reason, logprobs, d.cumulative_logprob))
         out = RequestOutput(delta.request_id, prompt, prompt_ids, sequences, delta.finished,
-                            prompt_lps, delta.num_cached_tokens, delta.metrics, delta.error)
+                            prompt_lps, delta.num_cached_tokens, delta.metrics, delta.error,
+                            delta.kv_transfer_params)
         if delta.finished:
             self._last.pop(delta.request_id, None)
         else:

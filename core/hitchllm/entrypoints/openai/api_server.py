@@ -4,7 +4,10 @@ If the engine loop dies, ``/health`` answers 503 at once and the process shuts d
 with status 1, so that an orchestrator (systemd, Kubernetes) restarts it. With data
 parallelism (``data_parallel_size`` > 1) the engines are replicas in processes of their own
 (``hitchllm.data_parallel``): one that stops fails its own requests and turns ``/health`` to
-503 while the others go on serving; the server exits (status 1) once none is left.
+503 while the others go on serving; the server exits (status 1) once none is left. One engine
+runs the same way, as a single replica in a process of its own (``engine_process``, the
+default): the server's event loop (HTTP, SSE, JSON) and the engine's host work (scheduling,
+input preparation, detokenization) then do not take turns on one GIL.
 """
 
 from __future__ import annotations
@@ -37,12 +40,14 @@ def serve(
     limits: ServerLimits | None = None,
     lora_modules: list[LoRARequest] | None = None,
     data_parallel_size: int = 1,
+    engine_process: bool = True,
 ) -> None:
     """Start the engine and serve it until interrupted (or until the engine dies: then exit
     with status 1). Binds 127.0.0.1 unless told otherwise. ``lora_modules`` are LoRA adapters
     loaded at start-up (needs ``enable_lora``), each served as a model of its name.
     ``data_parallel_size`` engine replicas, each in its own process (on its own GPUs), share
-    the requests."""
+    the requests; one engine runs in a process of its own too unless ``engine_process`` is
+    False (then it steps in a thread of this process)."""
     try:
         import uvicorn
         from transformers import AutoTokenizer
@@ -79,8 +84,8 @@ def serve(
     # the engines (replica processes, workers) are shut down, not left behind; from here on,
     # since a SIGTERM while the replicas (or tensor-parallel workers) load must stop them too.
     signal.signal(signal.SIGTERM, _exit_on_signal)
-    client, metrics = _start_engines(engine_config, data_parallel_size, metrics_name,
-                                     lora_modules or [], stop_serving)
+    client, metrics = _start_engines(engine_config, data_parallel_size, engine_process,
+                                     metrics_name, lora_modules or [], stop_serving)
     app = build_app(client, names, tokenizer, metrics, api_key, template, limits,
                     allow_lora_updating)
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
@@ -102,14 +107,14 @@ def _exit_on_signal(signum: int, _: Any) -> None:
 
 
 def _start_engines(
-    engine_config: EngineConfig, data_parallel_size: int, metrics_name: str,
-    lora_modules: list[LoRARequest], stop_serving: Callable[[], None],
+    engine_config: EngineConfig, data_parallel_size: int, engine_process: bool,
+    metrics_name: str, lora_modules: list[LoRARequest], stop_serving: Callable[[], None],
 ) -> tuple[EngineClient, MetricsSource]:
-    """The engine client the server drives and the metrics it serves: one engine in this
-    process, or ``data_parallel_size`` replica processes. ``stop_serving`` is called once no
-    engine is left."""
+    """The engine client the server drives and the metrics it serves: ``data_parallel_size``
+    engine processes (one, unless ``engine_process`` is False: then one engine in a thread
+    of this process). ``stop_serving`` is called once no engine is left."""
     max_loras = engine_config.max_loras if engine_config.enable_lora else None
-    if data_parallel_size > 1:
+    if data_parallel_size > 1 or engine_process:
         from hitchllm.data_parallel.client import DataParallelEngine
 
         dp = DataParallelEngine(engine_config, data_parallel_size, metrics_name, lora_modules,
