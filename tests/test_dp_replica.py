@@ -41,8 +41,9 @@ def deliveries_until_end(conn: Any, request_id: str, decoder: OutputDecoder) -> 
         assert isinstance(message, Deliveries)
         for rid, item in message.items:
             assert rid == request_id
-            got.append(decoder.decode(item) if isinstance(item, OutputDelta) else item)
-            if not isinstance(item, OutputDelta) or item.finished:
+            delta = isinstance(item, (OutputDelta, tuple))  # tuple: a GrowDelta
+            got.append(decoder.decode(item) if delta else item)
+            if not delta or (isinstance(item, OutputDelta) and item.finished):
                 return got
 
 

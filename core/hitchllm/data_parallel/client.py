@@ -29,7 +29,7 @@ from typing import Any
 
 from hitchllm.config import EngineConfig
 from hitchllm.data_parallel.balancer import BalancerPolicy, LoadBalancer, NoLiveReplicaError
-from hitchllm.data_parallel.deltas import OutputDelta
+from hitchllm.data_parallel.deltas import GrowDelta, OutputDelta
 from hitchllm.data_parallel.handle import ReplicaHandle, as_exception
 from hitchllm.data_parallel.messages import (
     Abort,
@@ -294,12 +294,12 @@ class DataParallelEngine:
                          type(message).__name__)
 
     def _deliver(self, replica: ReplicaHandle,
-                 items: list[tuple[str, OutputDelta | WireError | None]]) -> None:
+                 items: list[tuple[str, OutputDelta | GrowDelta | WireError | None]]) -> None:
         """Decode one message's deliveries and hand them to their requests' queues (those
         still listened to), with one wake-up of the event loop for all of them."""
         ready: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
         for request_id, item in items:
-            if isinstance(item, OutputDelta):
+            if isinstance(item, (OutputDelta, tuple)):  # tuple: a GrowDelta
                 out: Any = replica.decoder.decode(item)
             else:
                 replica.decoder.forget(request_id)

@@ -5,7 +5,8 @@ the serving layer relies on; pickling them whole every step would cost time quad
 output length, on both sides of the pipe. A replica sends what changed since the last output
 it sent for the request (``OutputEncoder``) and the server rebuilds the cumulative output
 (``OutputDecoder``). Text and lists that grew send their new tail; anything else (a text cut
-back by a stop string) is sent whole, so decoding is exact whatever the engine does.
+back by a stop string) is sent whole, so decoding is exact whatever the engine does. Most
+outputs (one sequence that grew by a token or a few) cross as a ``GrowDelta``, a 3-tuple.
 """
 
 from __future__ import annotations
@@ -61,6 +62,31 @@ class OutputDelta:
 
 
 
+# The common output: one sequence, no logprobs, not finished, whose text and token ids only
+# grew and whose other fields did not change. Only ``(request_id, new text, new token ids)``
+# crosses: a plain tuple, which pickle writes and reads in C (an ``OutputDelta`` costs several
+# times more to build and pickle, on the engine thread).
+GrowDelta = tuple[str, str, list[int]]
+
+
+def _grown(old: RequestOutput, out: RequestOutput) -> GrowDelta | None:
+    """``out`` as a ``GrowDelta`` after ``old``, if it is one."""
+    if out.finished or len(out.outputs) != 1 or len(old.outputs) != 1:
+        return None
+    new, prev = out.outputs[0], old.outputs[0]
+    n = len(prev.token_ids)
+    if (new.logprobs is None and new.finish_reason is None and new.stop_reason is None
+            and new.index == prev.index and new.cumulative_logprob is None
+            and out.prompt_token_ids is old.prompt_token_ids and out.prompt is old.prompt
+            and out.prompt_logprobs is None and old.prompt_logprobs is None
+            and out.error is None and out.kv_transfer_params is None
+            and out.num_cached_tokens == old.num_cached_tokens and out.metrics == old.metrics
+            and new.text.startswith(prev.text) and new.token_ids[:n] == prev.token_ids
+            and len(new.token_ids) >= n):
+        return out.request_id, new.text[len(prev.text):], new.token_ids[n:]
+    return None
+
+
 def _kept(old: list[Any], new: list[Any]) -> int:
     """How much of ``old`` starts ``new`` (all of it, or nothing)."""
     return len(old) if len(new) >= len(old) and new[:len(old)] == old else 0
@@ -88,8 +114,11 @@ class OutputEncoder:
     def __init__(self) -> None:
         self._last: dict[str, RequestOutput] = {}
 
-    def encode(self, out: RequestOutput) -> OutputDelta:
+    def encode(self, out: RequestOutput) -> OutputDelta | GrowDelta:
         old = self._last.get(out.request_id)
+        if old is not None and (grown := _grown(old, out)) is not None:
+            self._last[out.request_id] = out
+            return grown
         olds: dict[int, CompletionOutput] = {} if old is None else {
             s.index: s for s in old.outputs}
         prompt = (out.prompt, out.prompt_token_ids, out.prompt_logprobs)
@@ -115,7 +144,9 @@ class OutputDecoder:
     def __init__(self) -> None:
         self._last: dict[str, RequestOutput] = {}
 
-    def decode(self, delta: OutputDelta) -> RequestOutput:
+    def decode(self, delta: OutputDelta | GrowDelta) -> RequestOutput:
+        if type(delta) is tuple:
+            return self._grow(delta)
         old = self._last.get(delta.request_id)
         olds = {} if old is None else {s.index: s for s in old.outputs}
         if delta.prompt is not None:
@@ -141,6 +172,16 @@ class OutputDecoder:
             self._last.pop(delta.request_id, None)
         else:
             self._last[delta.request_id] = out
+        return out
+
+    def _grow(self, delta: GrowDelta) -> RequestOutput:
+        request_id, text, token_ids = delta
+        old = self._last[request_id]
+        prev = old.outputs[0]
+        seq = CompletionOutput(prev.index, prev.text + text, prev.token_ids + token_ids)
+        out = RequestOutput(request_id, old.prompt, old.prompt_token_ids, [seq], False, None,
+                            old.num_cached_tokens, old.metrics)
+        self._last[request_id] = out
         return out
 
     def forget(self, request_id: str) -> None:
