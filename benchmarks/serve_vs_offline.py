@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -192,6 +193,21 @@ def report(rounds: list[tuple[dict[str, float], dict[str, dict[str, float]]]]) -
     return "\n".join(lines)
 
 
+def summary(rounds: list[tuple[dict[str, float], dict[str, dict[str, float]]]]) -> str:
+    """Per server mode, the median (min-max) over the rounds of each ratio: on a shared
+    machine the ratios within a round are what compare, not tok/s across rounds."""
+    lines = ["| server mode | rounds | served/offline tok/s | served/offline TPOT p50 |",
+             "|---|---|---|---|"]
+    for mode in rounds[0][1]:
+        per = [ratios(served[mode], offline) for offline, served in rounds]
+        cells = []
+        for key in ("throughput", "tpot_p50"):
+            values = sorted(r[key] for r in per)
+            cells.append(f"{statistics.median(values):.3f} ({values[0]:.3f}-{values[-1]:.3f})")
+        lines.append(f"| {mode} | {len(per)} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> None:
     args, serve_args = parse_args(argv)
     if args.offline_child is not None:
@@ -218,7 +234,7 @@ def main(argv: list[str]) -> None:
                     served[mode] = run_served(args, url)
             rounds.append((offline, served))
             print(report(rounds[-1:]), flush=True)
-    table = report(rounds)
+    table = report(rounds) + "\n\n" + summary(rounds)
     print(table)
     if args.append_results:
         command = shlex.join(["python", "benchmarks/serve_vs_offline.py", *argv])

@@ -130,3 +130,30 @@ def test_serve_runs_the_engine_in_a_process_unless_told_otherwise():
 
     assert build_parser().parse_args(["serve"]).engine_process is True
     assert build_parser().parse_args(["serve", "--no-engine-process"]).engine_process is False
+
+
+def test_serve_vs_offline_summarizes_each_server_mode_over_rounds():
+    import importlib
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        bench = importlib.import_module("serve_vs_offline")
+    finally:
+        sys.path.pop(0)
+    base = {"output_tok_per_s": 100.0, "tpot_p50_ms": 10.0, "ttft_p50_ms": 1.0,
+            "ttft_p99_ms": 2.0, "tpot_p90_ms": 11.0, "tpot_p99_ms": 12.0}
+
+    def side(tok_s: float, tpot: float) -> dict[str, float]:
+        return {**base, "output_tok_per_s": tok_s, "tpot_p50_ms": tpot}
+
+    rounds = [(base, {"engine-thread": side(50, 20), "engine-process": side(90, 11)}),
+              (side(200, 5), {"engine-thread": side(120, 8), "engine-process": side(190, 5)}),
+              (base, {"engine-thread": side(70, 14), "engine-process": side(80, 12)})]
+    table = bench.summary(rounds).splitlines()
+    assert table[2] == "| engine-thread | 3 | 0.600 (0.500-0.700) | 1.600 (1.400-2.000) |"
+    assert table[3] == "| engine-process | 3 | 0.900 (0.800-0.950) | 1.100 (1.000-1.200) |"
+    rows = bench.report(rounds).splitlines()
+    assert rows[3].startswith("| 1 | served, engine-thread | 50.0 |")
+    assert rows[3].endswith("| 0.500 | 2.000 |")
