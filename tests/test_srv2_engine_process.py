@@ -157,3 +157,40 @@ def test_serve_vs_offline_summarizes_each_server_mode_over_rounds():
     rows = bench.report(rounds).splitlines()
     assert rows[3].startswith("| 1 | served, engine-thread | 50.0 |")
     assert rows[3].endswith("| 0.500 | 2.000 |")
+
+
+def test_a_failure_while_the_engine_process_loads_stops_it(monkeypatch, llama_path):
+    """The engine process starts before the server imports its HTTP stack and loads the
+    tokenizer (they overlap its loading); if that fails, the engine process is stopped."""
+    import signal
+
+    import transformers
+
+    from hitchllm.entrypoints.openai import api_server
+
+    calls: list[str] = []
+
+    class Starting:
+        def wait_ready(self) -> None:
+            calls.append("wait_ready")
+
+        def shutdown(self) -> None:
+            calls.append("shutdown")
+
+    def start_engines(*args: Any, **kwargs: Any) -> tuple[Starting, None]:
+        calls.append("start")
+        return Starting(), None
+
+    def no_tokenizer(*args: Any, **kwargs: Any) -> None:
+        calls.append("tokenizer")
+        raise OSError("no tokenizer here")
+
+    monkeypatch.setattr(api_server, "_start_engines", start_engines)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_tokenizer)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(OSError, match="no tokenizer here"):
+            api_server.serve(EngineConfig(model=llama_path))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert calls == ["start", "tokenizer", "shutdown"]

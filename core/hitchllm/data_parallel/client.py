@@ -73,11 +73,14 @@ class DataParallelEngine:
         policy: BalancerPolicy | None = None,
         on_all_dead: Callable[[], None] | None = None,
         start_timeout_s: float | None = None,
+        wait: bool = True,
     ) -> None:
         """Start the replicas and wait until each has loaded the model (and
         ``lora_modules``), at most ``start_timeout_s`` (default: as long as they run).
         ``on_all_dead`` is called, from a reader thread, when the last replica stops. Raises
-        if a replica cannot start (the others are then stopped)."""
+        if a replica cannot start (the others are then stopped). ``wait=False`` returns once
+        the processes are started: the caller does other start-up work meanwhile, then calls
+        ``wait_ready`` (and ``shutdown`` if its own work fails)."""
         if num_replicas < 1:
             raise ValueError(f"data_parallel_size must be at least 1, got {num_replicas}")
         _check_kv_connector_replicas(config, num_replicas)
@@ -91,12 +94,23 @@ class DataParallelEngine:
         self._where: dict[str, ReplicaHandle] = {}
         self._loras_lock = threading.Lock()
         self._closed = False
+        self._metrics_name = metrics_name
         atexit.register(self.shutdown)
         try:
             self._start(num_replicas, ReplicaSpec(
                 0, config, metrics_name, config.max_loras if config.enable_lora else None,
                 list(lora_modules or [])))
-            deadline = None if start_timeout_s is None else time.monotonic() + start_timeout_s
+        except BaseException:
+            self.shutdown()
+            raise
+        if wait:
+            self.wait_ready(start_timeout_s)
+
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Wait until every replica has loaded its model, at most ``timeout_s``; raises (and
+        stops the replicas) if one cannot start."""
+        try:
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
             ready = [replica.wait_ready(deadline) for replica in self.replicas]
         except BaseException:
             self.shutdown()
@@ -106,8 +120,8 @@ class DataParallelEngine:
         for replica in self.replicas:
             threading.Thread(target=self._read, args=(replica,), daemon=True,
                              name=f"hitchllm-dp-{replica.index}").start()
-        self.metrics = DataParallelMetrics(metrics_name, num_replicas, self._metrics_snapshots,
-                                           self._balancer_state)
+        self.metrics = DataParallelMetrics(self._metrics_name, len(self.replicas),
+                                           self._metrics_snapshots, self._balancer_state)
         self.ready = ready
         for i, r in enumerate(ready):
             logger.info("data-parallel replica %d: pid %d, %s%s", i, r.pid, r.device,
