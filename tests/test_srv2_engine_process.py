@@ -125,11 +125,23 @@ def test_a_grammar_that_fails_to_compile_fails_its_request_alone(replica):
     assert not engine.has_unfinished_requests()
 
 
-def test_serve_runs_the_engine_in_a_process_unless_told_otherwise():
-    from hitchllm.entrypoints.cli import build_parser
+def test_serve_runs_the_engine_in_a_process_on_cuda_unless_told_otherwise(monkeypatch):
+    import torch
 
-    assert build_parser().parse_args(["serve"]).engine_process is True
-    assert build_parser().parse_args(["serve", "--no-engine-process"]).engine_process is False
+    from hitchllm.entrypoints.cli import build_parser
+    from hitchllm.entrypoints.openai.api_server import use_engine_process
+
+    parse = build_parser().parse_args
+    assert parse(["serve"]).engine_process is None
+    assert parse(["serve", "--engine-process"]).engine_process is True
+    assert parse(["serve", "--no-engine-process"]).engine_process is False
+    cpu, auto = EngineConfig(device="cpu"), EngineConfig(device="auto")
+    assert use_engine_process(cpu, None) is False
+    assert use_engine_process(cpu, True) is True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert use_engine_process(auto, None) is True
+    assert use_engine_process(EngineConfig(device="cuda:1"), None) is True
+    assert use_engine_process(auto, False) is False
 
 
 def test_serve_vs_offline_summarizes_each_server_mode_over_rounds():

@@ -389,10 +389,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-dp", "--data-parallel-size", type=int, default=1, metavar="N",
                    help="engine replicas, each in its own process (on CUDA: on its own GPUs), "
                         "behind a load balancer (default 1)")
-    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                    help="run the engine in a process of its own, so that HTTP, SSE and JSON "
-                        "work does not hold the GIL the engine's host work needs (default; "
-                        "--no-engine-process steps it in a thread of the server's process)")
+                        "work does not hold the GIL the engine's host work needs "
+                        "(--no-engine-process: in a thread of the server's process; default: "
+                        "a process on CUDA, a thread on the CPU, whose cores the forward uses)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", nargs="+", metavar="NAME",

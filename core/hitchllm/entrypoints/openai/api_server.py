@@ -6,8 +6,8 @@ parallelism (``data_parallel_size`` > 1) the engines are replicas in processes o
 (``hitchllm.data_parallel``): one that stops fails its own requests and turns ``/health`` to
 503 while the others go on serving; the server exits (status 1) once none is left. One engine
 runs the same way, as a single replica in a process of its own (``engine_process``, the
-default): the server's event loop (HTTP, SSE, JSON) and the engine's host work (scheduling,
-input preparation, detokenization) then do not take turns on one GIL.
+default on CUDA): the server's event loop (HTTP, SSE, JSON) and the engine's host work
+(scheduling, input preparation, detokenization) then do not take turns on one GIL.
 """
 
 from __future__ import annotations
@@ -41,14 +41,14 @@ def serve(
     limits: ServerLimits | None = None,
     lora_modules: list[LoRARequest] | None = None,
     data_parallel_size: int = 1,
-    engine_process: bool = True,
+    engine_process: bool | None = None,
 ) -> None:
     """Start the engine and serve it until interrupted (or until the engine dies: then exit
     with status 1). Binds 127.0.0.1 unless told otherwise. ``lora_modules`` are LoRA adapters
     loaded at start-up (needs ``enable_lora``), each served as a model of its name.
     ``data_parallel_size`` engine replicas, each in its own process (on its own GPUs), share
-    the requests; one engine runs in a process of its own too unless ``engine_process`` is
-    False (then it steps in a thread of this process)."""
+    the requests; one engine runs in a process of its own too if ``engine_process`` (None:
+    on CUDA, ``use_engine_process``), else it steps in a thread of this process."""
     missing = [name for name in ("uvicorn", "fastapi", "transformers")
                if importlib.util.find_spec(name) is None]
     if missing:
@@ -75,7 +75,8 @@ def serve(
     signal.signal(signal.SIGTERM, _exit_on_signal)
     # Engine processes start first and load (imports, weights) while this process imports
     # the HTTP stack and loads the tokenizer.
-    client, metrics = _start_engines(engine_config, data_parallel_size, engine_process,
+    client, metrics = _start_engines(engine_config, data_parallel_size,
+                                     use_engine_process(engine_config, engine_process),
                                      metrics_name, lora_modules or [], stop_serving)
     try:
         import uvicorn
@@ -111,6 +112,16 @@ def serve(
         client.shutdown()
     if client.dead_reason is not None:
         raise SystemExit(1)
+
+
+def use_engine_process(engine_config: EngineConfig, engine_process: bool | None) -> bool:
+    """Whether one engine runs in a process of its own: as asked, else on CUDA only. On a GPU
+    the server's event loop and the engine's host work are what compete, for the GIL, and a
+    process each removes that; on the CPU the forward itself needs the cores, and a second
+    process (the pipe, the reader) adds work there without a clear gain (docs/serving.md)."""
+    if engine_process is not None:
+        return engine_process
+    return engine_config.resolve_device().type == "cuda"
 
 
 def _exit_on_signal(signum: int, _: Any) -> None:
