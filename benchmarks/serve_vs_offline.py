@@ -9,7 +9,9 @@ straight into an ``LLMEngine`` in a process of its own (no HTTP, no asyncio), in
     python benchmarks/serve_vs_offline.py --num-prompts 200 --input-len 1024 1024 \\
         --output-len 256 256 --vocab-size 32000 -- --model /path/to/model
 
-Reports both sides' output tok/s, TTFT and TPOT percentiles, and the ratios the serving goals
+Each round runs the offline side, then the server once per ``--server-modes`` (the engine in a
+thread of the server's process, and in a process of its own), all on the same requests.
+Reports every side's output tok/s, TTFT and TPOT percentiles, and the ratios the serving goals
 are stated in: served output tok/s over offline output tok/s, and served p50 TPOT over the
 offline p50 TPOT (at the same arrivals the engine runs the same batches, so its TPOT is its
 step time at that batch). The offline side replays the arrivals: a request joins the engine
@@ -23,6 +25,7 @@ import argparse
 import asyncio
 import json
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,6 +45,8 @@ from hitchllm.entrypoints.machine import describe_machine  # noqa: E402
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 SERVED_NAME = "bench-model"
+# Server mode -> the serve flag that selects it.
+SERVER_MODES = {"engine-thread": "--no-engine-process", "engine-process": "--engine-process"}
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -62,6 +67,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="without serve flags: the hidden size of the random Llama built "
                              "(small, so that the engine step is fast and the server's own cost "
                              "shows)")
+    parser.add_argument("--server-modes", nargs="+", choices=list(SERVER_MODES),
+                        default=list(SERVER_MODES),
+                        help="how the server runs its engine, each measured on the same "
+                             "requests every round: in a thread of the server's process "
+                             "(engine-thread, --no-engine-process) or in a process of its own "
+                             "(engine-process, the default of hitchllm serve)")
     parser.add_argument("--append-results", type=Path, nargs="?", const=RESULTS)
     parser.add_argument("--label", default="")
     parser.add_argument("--offline-child", type=Path, help=argparse.SUPPRESS)
@@ -164,19 +175,36 @@ def ratios(served: dict[str, float], offline: dict[str, float]) -> dict[str, flo
             "tpot_p50": served["tpot_p50_ms"] / offline["tpot_p50_ms"]}
 
 
-def report(rounds: list[tuple[dict[str, float], dict[str, float]]]) -> str:
+def report(rounds: list[tuple[dict[str, float], dict[str, dict[str, float]]]]) -> str:
+    """One row per side of each round: the offline engine, then each server mode with its
+    ratios to that round's offline run."""
     lines = ["| round | side | output tok/s | TTFT p50/p99 ms | TPOT p50/p90/p99 ms | "
              "served/offline tok/s | served/offline TPOT p50 |",
              "|---|---|---|---|---|---|---|"]
-    for i, (served, offline) in enumerate(rounds, 1):
-        r = ratios(served, offline)
-        for side, s in (("offline", offline), ("served", served)):
-            tail = (f"{r['throughput']:.3f} | {r['tpot_p50']:.3f}" if side == "served"
-                    else " | ")
+    for i, (offline, served) in enumerate(rounds, 1):
+        sides = [("offline", offline, " | "), *(
+            (f"served, {mode}", s, "{throughput:.3f} | {tpot_p50:.3f}".format(
+                **ratios(s, offline))) for mode, s in served.items())]
+        for side, s, tail in sides:
             lines.append(
                 f"| {i} | {side} | {s['output_tok_per_s']:.1f} | "
                 f"{s['ttft_p50_ms']:.1f}/{s['ttft_p99_ms']:.1f} | "
                 f"{s['tpot_p50_ms']:.2f}/{s['tpot_p90_ms']:.2f}/{s['tpot_p99_ms']:.2f} | {tail} |")
+    return "\n".join(lines)
+
+
+def summary(rounds: list[tuple[dict[str, float], dict[str, dict[str, float]]]]) -> str:
+    """Per server mode, the median (min-max) over the rounds of each ratio: on a shared
+    machine the ratios within a round are what compare, not tok/s across rounds."""
+    lines = ["| server mode | rounds | served/offline tok/s | served/offline TPOT p50 |",
+             "|---|---|---|---|"]
+    for mode in rounds[0][1]:
+        per = [ratios(served[mode], offline) for offline, served in rounds]
+        cells = []
+        for key in ("throughput", "tpot_p50"):
+            values = sorted(r[key] for r in per)
+            cells.append(f"{statistics.median(values):.3f} ({values[0]:.3f}-{values[-1]:.3f})")
+        lines.append(f"| {mode} | {len(per)} | {cells[0]} | {cells[1]} |")
     return "\n".join(lines)
 
 
@@ -199,12 +227,14 @@ def main(argv: list[str]) -> None:
         rounds = []
         for _ in range(args.repeat):
             offline = offline_in_child(args, serve_args, own_argv)
-            with running_server([*serve_args, "--served-model-name", SERVED_NAME],
-                                timeout=600) as url:
-                served = run_served(args, url)
-            rounds.append((served, offline))
+            served = {}
+            for mode in args.server_modes:
+                flags = [*serve_args, SERVER_MODES[mode], "--served-model-name", SERVED_NAME]
+                with running_server(flags, timeout=600) as url:
+                    served[mode] = run_served(args, url)
+            rounds.append((offline, served))
             print(report(rounds[-1:]), flush=True)
-    table = report(rounds)
+    table = report(rounds) + "\n\n" + summary(rounds)
     print(table)
     if args.append_results:
         command = shlex.join(["python", "benchmarks/serve_vs_offline.py", *argv])

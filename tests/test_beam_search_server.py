@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -24,14 +25,27 @@ MODEL = "tiny"
 ARGS = dict(block_size=4, max_model_len=128, max_num_seqs=8, num_kv_blocks=128)
 
 
-@pytest.fixture(scope="module")
-def http(llama_path):
-    engine = LLMEngine(EngineConfig(model=llama_path, attention_backend="TORCH", **ARGS))
-    async_engine = AsyncLLMEngine(engine)
-    app = build_app(async_engine, [MODEL], engine.tokenizer, ServerMetrics(MODEL))
-    with TestClient(app, raise_server_exceptions=False) as client:
-        yield client
-    async_engine.shutdown()
+@pytest.fixture(scope="module", params=["engine-thread", "engine-process"])
+def http(llama_path, request):
+    """The app over an engine stepping in a thread of this process, and over one engine
+    process (``hitchllm serve``'s default), where a search is a call answered by its
+    result."""
+    config = EngineConfig(model=llama_path, attention_backend="TORCH", **ARGS)
+    if request.param == "engine-process":
+        from transformers import AutoTokenizer
+
+        from hitchllm.data_parallel.client import DataParallelEngine
+
+        client: Any = DataParallelEngine(config, 1, MODEL, start_timeout_s=120)
+        app = build_app(client, [MODEL], AutoTokenizer.from_pretrained(llama_path),
+                        client.metrics)
+    else:
+        engine = LLMEngine(config)
+        client = AsyncLLMEngine(engine)
+        app = build_app(client, [MODEL], engine.tokenizer, ServerMetrics(MODEL))
+    with TestClient(app, raise_server_exceptions=False) as http_client:
+        yield http_client
+    client.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +110,7 @@ def test_chat_has_no_beam_search(http):
 
 
 def test_an_engine_client_without_beam_search_is_a_clear_error(llama_path):
-    """Data-parallel replicas (an ``EngineClient`` without ``beam_search``) refuse it."""
+    """An ``EngineClient`` without ``beam_search`` refuses it by name."""
     from hitchllm.entrypoints.openai.protocol import CompletionRequest
     from hitchllm.entrypoints.openai.serving import OpenAIServing
 

@@ -77,7 +77,9 @@ def test_the_last_replica_dying_fails_requests_and_stops_serving(one_replica):
     assert "replica 0 stopped" in engine.dead_reason
     with pytest.raises(EngineDeadError, match="replica 0"):
         asyncio.run(asyncio.wait_for(main(), timeout=10))
-    assert "hitchllm:data_parallel_replica_up" in engine.metrics.render().decode()
+    # /metrics still renders; one engine process has no balancer families (a one-engine
+    # server's metrics).
+    assert "hitchllm:data_parallel_replica_up" not in engine.metrics.render().decode()
 
 
 def test_a_replica_that_cannot_start_is_an_error_and_leaves_no_process(tmp_path):
@@ -102,6 +104,8 @@ def test_each_replica_gets_its_own_gpus_or_its_share_of_cores(monkeypatch):
         replica_environments(cuda, 5)
     with pytest.raises(ValueError, match="pins one GPU"):
         replica_environments(EngineConfig(device="cuda:1"), 2)
+    # One engine process (hitchllm serve's default) uses what this process would have.
+    assert replica_environments(EngineConfig(device="cuda:1"), 1) == [{}]
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr("hitchllm.data_parallel.placement.usable_cpus", lambda: 8)
     cpu = EngineConfig(device="cpu")

@@ -5,7 +5,6 @@ fails with "dead", then ``Dead``) before the replica stops."""
 
 from __future__ import annotations
 
-import asyncio
 import multiprocessing
 import threading
 from typing import Any
@@ -23,8 +22,7 @@ from hitchllm.data_parallel.messages import (
     Reply,
     WireError,
 )
-from hitchllm.data_parallel.replica import _ReplicaServer
-from hitchllm.engine.async_engine import AsyncLLMEngine
+from hitchllm.data_parallel.pipe_engine import ReplicaServer
 from hitchllm.engine.llm_engine import LLMEngine
 from hitchllm.entrypoints.openai.metrics import ServerMetrics
 from hitchllm.sampling_params import SamplingParams
@@ -43,8 +41,9 @@ def deliveries_until_end(conn: Any, request_id: str, decoder: OutputDecoder) -> 
         assert isinstance(message, Deliveries)
         for rid, item in message.items:
             assert rid == request_id
-            got.append(decoder.decode(item) if isinstance(item, OutputDelta) else item)
-            if not isinstance(item, OutputDelta) or item.finished:
+            delta = isinstance(item, (OutputDelta, tuple))  # tuple: a GrowDelta
+            got.append(decoder.decode(item) if delta else item)
+            if not delta or (isinstance(item, OutputDelta) and item.finished):
                 return got
 
 
@@ -52,16 +51,13 @@ def deliveries_until_end(conn: Any, request_id: str, decoder: OutputDecoder) -> 
 def replica(llama_path):
     engine = LLMEngine(EngineConfig(model=llama_path, block_size=4, max_model_len=128))
     ours, theirs = multiprocessing.Pipe()
-    server = _ReplicaServer(0, theirs, ServerMetrics("m"))
-    async_engine = AsyncLLMEngine(engine, on_step=server.metrics.observe,
-                                  on_dead=server.engine_died)
-    thread = threading.Thread(target=asyncio.run, args=(server.serve(async_engine),),
-                              daemon=True)
+    server = ReplicaServer(0, theirs, engine, ServerMetrics("m"))
+    thread = threading.Thread(target=server.serve, daemon=True)
     thread.start()
     yield ours, engine, thread
     ours.close()
     thread.join(10)
-    async_engine.shutdown()
+    server.shutdown()
 
 
 def test_outputs_aborts_metrics_and_a_dying_engine(replica, monkeypatch):

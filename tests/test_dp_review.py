@@ -311,12 +311,17 @@ def test_a_replica_that_stops_reading_stalls_no_one_else(dp):
             assert time.monotonic() < deadline, "the server stalled"
             time.sleep(0.05)
         # /metrics answers within a scrape timeout (here 8 s; Prometheus' default is 10 s),
-        # with the stopped replica's last numbers; both large requests are routed by then.
-        with urllib.request.urlopen(f"{url}/metrics", timeout=8) as r:
-            text = r.read().decode()
-        counts = re.findall(r"^hitchllm:data_parallel_requests_routed_total\{.*\} (\S+)$",
-                            text, re.M)
-        assert sum(float(c) for c in counts) == routed + 2
+        # with the stopped replica's last numbers, until both large requests are routed (the
+        # first may be answered before the second is parsed).
+        while True:
+            with urllib.request.urlopen(f"{url}/metrics", timeout=8) as r:
+                text = r.read().decode()
+            counts = re.findall(
+                r"^hitchllm:data_parallel_requests_routed_total\{.*\} (\S+)$", text, re.M)
+            if sum(float(c) for c in counts) == routed + 2:
+                break
+            assert time.monotonic() < deadline, f"not both routed: {counts}"
+            time.sleep(0.2)
         # The stopped replica has a request in flight: a new one goes to the other.
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0,
                                timeout=15)

@@ -18,10 +18,12 @@ MODEL = "tiny"
 NUM_REQUESTS = 48
 
 
-@pytest.fixture(scope="module")
-def server(llama_path):
+@pytest.fixture(scope="module", params=["--engine-process", "--no-engine-process"])
+def server(llama_path, request):
+    """The server with its engine in a process of its own (the default), and in a thread of
+    the server's process."""
     args = ["--model", llama_path, "--served-model-name", MODEL, "--block-size", "4",
-            "--max-model-len", "256"]
+            "--max-model-len", "256", request.param]
     with running_server(args) as url:
         yield url
 

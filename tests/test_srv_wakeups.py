@@ -9,7 +9,7 @@ import pytest
 
 from hitchllm import SamplingParams
 from hitchllm.config import EngineConfig
-from hitchllm.engine.async_engine import AsyncLLMEngine, _push_all, _RequestStream
+from hitchllm.engine.async_engine import AsyncLLMEngine, RequestStream, _push_all
 from hitchllm.engine.llm_engine import LLMEngine
 from hitchllm.outputs import CompletionOutput, RequestOutput
 
@@ -72,7 +72,7 @@ def _output(num_tokens: int, finished: bool = False) -> RequestOutput:
 
 def test_stream_keeps_only_the_newest_output_not_taken():
     async def run() -> list:
-        stream = _RequestStream(asyncio.get_running_loop())
+        stream = RequestStream(asyncio.get_running_loop())
         for n in (1, 2, 3):
             stream.push(_output(n))
         first = await stream.get()
@@ -89,7 +89,7 @@ def test_stream_keeps_only_the_newest_output_not_taken():
 
 def test_stream_wakes_a_waiting_reader_from_another_thread():
     async def run() -> RequestOutput:
-        stream = _RequestStream(asyncio.get_running_loop())
+        stream = RequestStream(asyncio.get_running_loop())
         reader = asyncio.create_task(stream.get())
         await asyncio.sleep(0)
         await asyncio.to_thread(stream.put, _output(2))

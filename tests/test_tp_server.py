@@ -31,13 +31,19 @@ def processes() -> dict[int, tuple[int, list[str]]]:
 
 
 def worker_pids(url: str) -> list[int]:
-    """The worker processes of the server listening at ``url``."""
+    """The worker processes of the server listening at ``url``: children of its engine
+    process (the default), or of the server itself under --no-engine-process."""
     port = url.rsplit(":", 1)[1]
     table = processes()
     [server] = [pid for pid, (_, cmd) in table.items()
                 if "serve" in cmd and "--port" in cmd and port in cmd]
-    return [pid for pid, (ppid, cmd) in table.items()
-            if ppid == server and any("spawn_main" in part for part in cmd)]
+
+    def spawned(parent: int) -> list[int]:
+        return [pid for pid, (ppid, cmd) in table.items()
+                if ppid == parent and any("spawn_main" in part for part in cmd)]
+
+    engine = [pid for pid in spawned(server) if spawned(pid)]
+    return spawned(engine[0]) if engine else spawned(server)
 
 
 def complete(url: str) -> str:

@@ -29,8 +29,8 @@ from typing import Any
 
 from hitchllm.config import EngineConfig
 from hitchllm.data_parallel.balancer import BalancerPolicy, LoadBalancer, NoLiveReplicaError
-from hitchllm.data_parallel.deltas import OutputDelta
-from hitchllm.data_parallel.handle import ReplicaHandle, RequestStream, as_exception
+from hitchllm.data_parallel.deltas import GrowDelta, OutputDelta
+from hitchllm.data_parallel.handle import ReplicaHandle, as_exception
 from hitchllm.data_parallel.messages import (
     Abort,
     Call,
@@ -43,7 +43,7 @@ from hitchllm.data_parallel.messages import (
 from hitchllm.data_parallel.metrics import DataParallelMetrics, Family, without_gauges
 from hitchllm.data_parallel.placement import replica_environments
 from hitchllm.data_parallel.replica import ReplicaSpec, run_replica
-from hitchllm.engine.async_engine import EngineDeadError, RequestFailedError
+from hitchllm.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
 from hitchllm.lora import LoRARequest
 from hitchllm.outputs import RequestOutput
 from hitchllm.sampling_params import SamplingParams
@@ -73,11 +73,14 @@ class DataParallelEngine:
         policy: BalancerPolicy | None = None,
         on_all_dead: Callable[[], None] | None = None,
         start_timeout_s: float | None = None,
+        wait: bool = True,
     ) -> None:
         """Start the replicas and wait until each has loaded the model (and
         ``lora_modules``), at most ``start_timeout_s`` (default: as long as they run).
         ``on_all_dead`` is called, from a reader thread, when the last replica stops. Raises
-        if a replica cannot start (the others are then stopped)."""
+        if a replica cannot start (the others are then stopped). ``wait=False`` returns once
+        the processes are started: the caller does other start-up work meanwhile, then calls
+        ``wait_ready`` (and ``shutdown`` if its own work fails)."""
         if num_replicas < 1:
             raise ValueError(f"data_parallel_size must be at least 1, got {num_replicas}")
         _check_kv_connector_replicas(config, num_replicas)
@@ -91,12 +94,23 @@ class DataParallelEngine:
         self._where: dict[str, ReplicaHandle] = {}
         self._loras_lock = threading.Lock()
         self._closed = False
+        self._metrics_name = metrics_name
         atexit.register(self.shutdown)
         try:
             self._start(num_replicas, ReplicaSpec(
                 0, config, metrics_name, config.max_loras if config.enable_lora else None,
                 list(lora_modules or [])))
-            deadline = None if start_timeout_s is None else time.monotonic() + start_timeout_s
+        except BaseException:
+            self.shutdown()
+            raise
+        if wait:
+            self.wait_ready(start_timeout_s)
+
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Wait until every replica has loaded its model, at most ``timeout_s``; raises (and
+        stops the replicas) if one cannot start."""
+        try:
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
             ready = [replica.wait_ready(deadline) for replica in self.replicas]
         except BaseException:
             self.shutdown()
@@ -106,8 +120,8 @@ class DataParallelEngine:
         for replica in self.replicas:
             threading.Thread(target=self._read, args=(replica,), daemon=True,
                              name=f"hitchllm-dp-{replica.index}").start()
-        self.metrics = DataParallelMetrics(metrics_name, num_replicas, self._metrics_snapshots,
-                                           self._balancer_state)
+        self.metrics = DataParallelMetrics(self._metrics_name, len(self.replicas),
+                                           self._metrics_snapshots, self._balancer_state)
         self.ready = ready
         for i, r in enumerate(ready):
             logger.info("data-parallel replica %d: pid %d, %s%s", i, r.pid, r.device,
@@ -165,7 +179,7 @@ class DataParallelEngine:
                 raise EngineDeadError(f"data-parallel replica {index}: "
                                       f"{replica.dead_reason or 'it has stopped'}")
             while True:
-                item = await stream.queue.get()
+                item = await stream.get()
                 if item is _ABORTED:
                     done = True
                     if last is not None:
@@ -184,6 +198,22 @@ class DataParallelEngine:
             self.balancer.finished(index)
             if not done:
                 replica.send(Abort(request_id))
+
+    async def beam_search(self, prompts: list[Any], params: Any) -> list[Any]:
+        """``AsyncLLMEngine.beam_search`` on the least loaded replica (where it runs alone,
+        as there)."""
+        try:
+            index = self.balancer.choose()
+        except NoLiveReplicaError as exc:
+            raise EngineDeadError(self.dead_reason or str(exc)) from exc
+        try:
+            future = self._call(self.replicas[index], "beam_search", prompts, params)
+            if future is None:
+                raise EngineDeadError(self.dead_reason or
+                                      f"data-parallel replica {index} has stopped")
+            return await asyncio.wrap_future(future)
+        finally:
+            self.balancer.finished(index)
 
     def abort(self, request_id: str) -> None:
         replica = self._where.get(request_id)
@@ -278,12 +308,12 @@ class DataParallelEngine:
                          type(message).__name__)
 
     def _deliver(self, replica: ReplicaHandle,
-                 items: list[tuple[str, OutputDelta | WireError | None]]) -> None:
+                 items: list[tuple[str, OutputDelta | GrowDelta | WireError | None]]) -> None:
         """Decode one message's deliveries and hand them to their requests' queues (those
         still listened to), with one wake-up of the event loop for all of them."""
         ready: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
         for request_id, item in items:
-            if isinstance(item, OutputDelta):
+            if isinstance(item, (OutputDelta, tuple)):  # tuple: a GrowDelta
                 out: Any = replica.decoder.decode(item)
             else:
                 replica.decoder.forget(request_id)
@@ -359,7 +389,7 @@ class DataParallelEngine:
 
 def _put_all(batch: list[tuple[RequestStream, Any]]) -> None:
     for stream, item in batch:
-        stream.queue.put_nowait(item)
+        stream.push(item)
 
 
 def _aborted(last: RequestOutput) -> RequestOutput:

@@ -3,13 +3,11 @@ waiting for its answers (used by ``DataParallelEngine``)."""
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import multiprocessing.process
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -17,18 +15,7 @@ from typing import Any
 from hitchllm.data_parallel.deltas import OutputDecoder
 from hitchllm.data_parallel.messages import Ready, StartFailed, WireError
 from hitchllm.data_parallel.metrics import Family
-from hitchllm.engine.async_engine import EngineDeadError, RequestFailedError
-
-
-@dataclass
-class RequestStream:
-    """Where a replica's reader thread delivers one request's outputs (or an exception)."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
-
-    def put(self, item: Any) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+from hitchllm.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
 
 
 class ReplicaHandle:

@@ -79,8 +79,8 @@ class StartFailed:
 
 @dataclass
 class Deliveries:
-    """``(request_id, OutputDelta, WireError or None)`` in the order they happened; None
-    ends a request the server aborted."""
+    """``(request_id, OutputDelta or GrowDelta, WireError or None)`` in the order they
+    happened; None ends a request the server aborted."""
 
     items: list[tuple[str, Any]]
 

@@ -96,7 +96,10 @@ class DataParallelMetrics:
         self.balancer_state = balancer_state
 
     def render(self) -> bytes:
-        return render(merge(self.replica_snapshots()) + self._balancer_families())
+        """The replicas' merged metrics, and the balancer's per replica (none for a single
+        engine process: then ``/metrics`` is a one-engine server's)."""
+        balancer = self._balancer_families() if self.num_replicas > 1 else []
+        return render(merge(self.replica_snapshots()) + balancer)
 
     def _balancer_families(self) -> list[Metric]:
         routed, in_flight, alive = self.balancer_state()

@@ -13,7 +13,10 @@ def replica_environments(config: EngineConfig, num_replicas: int) -> list[dict[s
     """The environment each replica process starts with: its CUDA devices (slice ``i`` of
     the size of one replica's tensor x pipeline parallel group), or on the CPU its share of
     the cores this process may use (affinity and cgroup CPU quota, ``usable_cpus``).
-    ``ValueError`` when there are not enough devices."""
+    ``ValueError`` when there are not enough devices. A single engine process (one replica)
+    inherits this process's environment: the devices and threads it would have used here."""
+    if num_replicas == 1:
+        return [{}]
     device = config.resolve_device()
     if device.type == "cuda":
         if device.index is not None:

@@ -25,7 +25,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from hitchllm.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from hitchllm.config import EngineConfig
@@ -51,7 +51,7 @@ class _Add:
     params: SamplingParams
     request_id: str
     kwargs: dict[str, Any]
-    stream: _RequestStream
+    stream: OutputSink
 
 
 @dataclass
@@ -63,10 +63,17 @@ class _Abort:
 class _BeamSearch:
     prompts: list[Prompt]
     params: BeamSearchParams
-    stream: _RequestStream
+    stream: OutputSink
 
 
-class _RequestStream:
+class OutputSink(Protocol):
+    """Where the engine thread delivers one request's outputs, errors or beam-search result
+    (``put`` is called from the engine thread)."""
+
+    def put(self, item: Any) -> None: ...
+
+
+class RequestStream:
     """Where the engine thread delivers one request's outputs (or an exception, or a beam
     search's result). Lives on ``loop``: ``push`` and ``get`` run there, ``put`` anywhere.
     A new ``RequestOutput`` replaces one not yet taken (outputs are cumulative)."""
@@ -101,7 +108,7 @@ class _RequestStream:
         return self._items.popleft()
 
 
-def _push_all(deliveries: list[tuple[_RequestStream, RequestOutput]]) -> None:
+def _push_all(deliveries: list[tuple[RequestStream, RequestOutput]]) -> None:
     """Deliver one step's outputs (on the streams' loop: one wake-up per step)."""
     for stream, out in deliveries:
         stream.push(out)
@@ -126,7 +133,7 @@ class AsyncLLMEngine:
         self.on_step = on_step
         self.on_dead = on_dead
         self._commands: queue.Queue[_Add | _Abort | _BeamSearch | None] = queue.Queue()
-        self._streams: dict[str, _RequestStream] = {}
+        self._streams: dict[str, Any] = {}
         # A beam search runs alone: it waits for the running requests to finish, and
         # requests that arrive meanwhile wait for it (so that it cannot starve).
         self._beam_searches: deque[_BeamSearch] = deque()
@@ -186,8 +193,8 @@ class AsyncLLMEngine:
             # Grammar compilation and the like run here, off the engine loop; the loop's own
             # call in add_request then finds them cached and other requests never wait.
             await asyncio.to_thread(self.engine.compile_logits_processors, params)
-        stream = _RequestStream(asyncio.get_running_loop())
-        self._commands.put(_Add(prompt, params, request_id, kwargs, stream))
+        stream = RequestStream(asyncio.get_running_loop())
+        self.submit(prompt, params, request_id, stream, **kwargs)
         finished = False
         try:
             while True:
@@ -212,8 +219,8 @@ class AsyncLLMEngine:
         Raises ``ValueError`` for input the search refuses."""
         if (reason := self.dead_reason) is not None:
             raise EngineDeadError(reason)
-        stream = _RequestStream(asyncio.get_running_loop())
-        self._commands.put(_BeamSearch(prompts, params, stream))
+        stream = RequestStream(asyncio.get_running_loop())
+        self.submit_beam_search(prompts, params, stream)
         item = await stream.get()
         if isinstance(item, BaseException):
             raise item
@@ -223,6 +230,19 @@ class AsyncLLMEngine:
         """Stop the request; its stream ends with a finished output (finish_reason
         "abort")."""
         self._commands.put(_Abort(request_id))
+
+    def submit(self, prompt: Prompt, params: SamplingParams, request_id: str,
+               stream: OutputSink, **kwargs: Any) -> None:
+        """Queue a request from any thread (``generate`` without asyncio): its outputs go
+        to ``_deliver`` once per step, an error or the final output of an abort to
+        ``stream.put``."""
+        self._commands.put(_Add(prompt, params, request_id, kwargs, stream))
+
+    def submit_beam_search(self, prompts: list[Prompt], params: BeamSearchParams,
+                           stream: OutputSink) -> None:
+        """Queue a beam search from any thread; its result (a list of ``BeamSearchOutput``)
+        or exception goes to ``stream.put``."""
+        self._commands.put(_BeamSearch(prompts, params, stream))
 
     def shutdown(self) -> None:
         """Stop the engine thread, then the engine's worker processes (if any)."""
@@ -261,8 +281,8 @@ class AsyncLLMEngine:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hand a step's outputs to their streams: one wake-up of each event loop that has
-        any (a server has one)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_RequestStream, RequestOutput]]] = {}
+        any (a server has one). A driver without asyncio (an engine process) overrides it."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
         streams = self._streams
         for out in outputs:
             stream = streams.get(out.request_id)

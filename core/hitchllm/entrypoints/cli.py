@@ -335,6 +335,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         limits=ServerLimits(max_n=args.max_n, max_request_bytes=args.max_request_bytes),
         lora_modules=parse_lora_modules(args.lora_modules or []),
         data_parallel_size=args.data_parallel_size,
+        engine_process=args.engine_process,
     )
     return 0
 
@@ -391,6 +392,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-dp", "--data-parallel-size", type=int, default=1, metavar="N",
                    help="engine replicas, each in its own process (on CUDA: on its own GPUs), "
                         "behind a load balancer (default 1)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the engine in a process of its own, so that HTTP, SSE and JSON "
+                        "work does not hold the GIL the engine's host work needs "
+                        "(--no-engine-process: in a thread of the server's process; default: "
+                        "a process on CUDA, a thread on the CPU, whose cores the forward uses)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", nargs="+", metavar="NAME",

@@ -205,8 +205,8 @@ class OpenAIServing:
         choices (index ``prompt * n + rank``)."""
         search = getattr(self.engine, "beam_search", None)
         if search is None:
-            raise ValueError("use_beam_search is not available on this server (data-parallel "
-                             "replicas); serve with one engine for beam search")
+            raise ValueError("use_beam_search is not available on this server (its engine "
+                             "client has no beam search)")
         if lora_request is not None:
             raise ValueError("model: beam search runs the base model only; name the base "
                              "model, not a LoRA adapter")
