@@ -176,8 +176,6 @@ def test_a_failure_while_the_engine_process_loads_stops_it(monkeypatch, llama_pa
     tokenizer (they overlap its loading); if that fails, the engine process is stopped."""
     import signal
 
-    import transformers
-
     from hitchllm.entrypoints.openai import api_server
 
     calls: list[str] = []
@@ -198,7 +196,7 @@ def test_a_failure_while_the_engine_process_loads_stops_it(monkeypatch, llama_pa
         raise OSError("no tokenizer here")
 
     monkeypatch.setattr(api_server, "_start_engines", start_engines)
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_tokenizer)
+    monkeypatch.setattr(api_server, "load_tokenizer", no_tokenizer)
     previous = signal.getsignal(signal.SIGTERM)
     try:
         with pytest.raises(OSError, match="no tokenizer here"):
