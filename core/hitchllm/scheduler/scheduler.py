@@ -301,19 +301,20 @@ class Scheduler:
             scheduled[request] = num_new
             budget -= num_new
 
-        requests = list(scheduled)
-        counts = [scheduled[r] for r in requests]
-        computed = [r.num_computed_tokens for r in requests]
-        samples = [c + n >= r.num_tokens + r.num_pending_tokens
-                   for r, c, n in zip(requests, computed, counts)]
-        for request, num_new, sample in zip(requests, counts, samples):
-            self.stats.num_prompt_tokens_computed += max(
-                0, min(request.num_computed_tokens + num_new, request.num_prompt_tokens)
-                - request.num_computed_tokens)
-            request.num_computed_tokens += num_new
+        plan = StepPlan()
+        # One pass over the scheduled requests (it runs for every request and step).
+        for request, num_new in scheduled.items():
+            computed = request.num_computed_tokens
+            sample = computed + num_new >= request.num_tokens + request.num_pending_tokens
+            if computed < request.num_prompt_tokens:
+                self.stats.num_prompt_tokens_computed += (
+                    min(computed + num_new, request.num_prompt_tokens) - computed)
+            request.num_computed_tokens = computed + num_new
             request.num_pending_tokens += sample
-        plan = StepPlan([r.request_id for r in requests], counts, computed, samples)
-        for request in requests:
+            plan.request_ids.append(request.request_id)
+            plan.num_scheduled_tokens.append(num_new)
+            plan.num_computed_tokens.append(computed)
+            plan.samples.append(sample)
             self._plan_request(plan, request)
         plan.block_copies = self.kv_cache.take_block_copies()
         plan.swap_out, plan.swap_in = self.kv_cache.take_swaps()
@@ -356,8 +357,11 @@ class Scheduler:
             plan.new_requests.append(NewRequestData(
                 rid, request.prompt_token_ids, request.sampling_params, request.eos_token_ids,
                 list(request.output_token_ids), request.lora_request))
-        plan.new_block_ids.append(blocks[sent:])
-        self._blocks_sent[rid] = len(blocks)
+        if sent == len(blocks):  # most decode steps: no new block
+            plan.new_block_ids.append([])
+        else:
+            plan.new_block_ids.append(blocks[sent:])
+            self._blocks_sent[rid] = len(blocks)
         if request.spec_token_ids:
             plan.draft_token_ids[rid] = list(request.spec_token_ids)
             if request.spec_token_probs is not None:
@@ -536,25 +540,32 @@ class Scheduler:
         strings (found by the detokenizer) through ``finish_requests``.
         """
         updated = []
+        # The loop runs for every request and step: what only drafts or suspects need is
+        # skipped without them.
+        all_drafts = plan.draft_token_ids
         for request, sample in zip(requests, plan.samples, strict=True):
             if not sample:
                 continue
             request.num_pending_tokens -= 1
             tokens = sampled.get(request.request_id)
-            if request.finished or not tokens:
+            if not tokens or request.finished:
                 continue
-            drafts = plan.draft_token_ids.get(request.request_id)
+            drafts = all_drafts.get(request.request_id) if all_drafts else None
             if drafts:
                 self.stats.num_spec_drafts += 1
                 self.stats.num_spec_draft_tokens += len(drafts)
                 self.stats.num_spec_accepted_tokens += len(tokens) - 1
-            if request.status == RequestStatus.RUNNING:
-                # Rejected drafts were computed but are not part of the sequence: their K/V
-                # will be overwritten. ``tokens`` holds the accepted drafts plus one new token.
-                request.num_computed_tokens -= len(request.spec_token_ids) - (len(tokens) - 1)
-            request.spec_token_ids = []
+            if request.spec_token_ids or len(tokens) > 1:
+                if request.status == RequestStatus.RUNNING:
+                    # Rejected drafts were computed but are not part of the sequence: their
+                    # K/V will be overwritten. ``tokens`` holds the accepted drafts plus one
+                    # new token.
+                    request.num_computed_tokens -= (len(request.spec_token_ids)
+                                                    - (len(tokens) - 1))
+                request.spec_token_ids = []
             request.spec_token_probs = None
-            self._clear_suspect(request)  # it sampled without failing
+            if self._suspects:
+                self._clear_suspect(request)  # it sampled without failing
             for token in tokens:
                 request.append_output_token(token)
                 status = check_stop(request, self.config.max_model_len)
