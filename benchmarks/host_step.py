@@ -7,11 +7,13 @@ Each batch size runs in one engine on the CPU with one torch thread and without 
 steps (``async_scheduling=False``: every phase runs on the engine's thread, one after the
 other, and the phases add up to the step). ``--batch-size`` requests of ``--prompt-len``
 random tokens, greedy, ``ignore_eos``, outputs longer than the run: after they are all
-decoding, ``--steps`` steps are timed, every phase with ``time.thread_time`` (the engine
+decoding (with outputs only at the end, as ``LLM.generate``; ``--stream``: every step, as the
+server), ``--steps`` steps are timed, every phase with ``time.thread_time`` (the engine
 thread's CPU time, which another process taking the core does not inflate) around the engine's
 own methods, ``--rounds`` times; the fastest round is reported (the machine may be shared).
-``--cprofile N`` also prints the N functions with the most own time over ``--steps`` more
-steps at the largest batch. ``--results`` appends the table to a Markdown file.
+Then ``--steps`` more steps run under cProfile for the Python function calls per step (which
+the machine's load does not change); ``--cprofile N`` prints the N functions with the most
+own time there at the largest batch. ``--results`` appends the table to a Markdown file.
 
     python benchmarks/host_step.py --batch-size 32 128 256 --results benchmarks/RESULTS.md
 """
@@ -99,28 +101,32 @@ def build_model(directory: Path, vocab_size: int) -> Path:
                                  max_position_embeddings=4096, vocab_size=vocab_size)
 
 
-def fill(llm: LLM, batch: int, prompt_len: int, seed: int) -> None:
-    """Queue ``batch`` requests and step until every one of them is decoding."""
+def fill(llm: LLM, batch: int, prompt_len: int, seed: int, stream: bool) -> None:
+    """Queue ``batch`` requests and step until every one of them is decoding. Without
+    ``stream`` a request has an output only when it finishes (as ``LLM.generate``); with it,
+    one per step (as the server streams)."""
     engine = llm.engine
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=3000, ignore_eos=True)
     for _ in range(batch):
         engine.add_request({"prompt_token_ids": [rng.randrange(vocab)
-                                                 for _ in range(prompt_len)]}, params)
+                                                 for _ in range(prompt_len)]}, params,
+                           final_only=not stream)
     while engine.scheduler.waiting or any(
             r.num_output_tokens == 0 for r in engine.scheduler.running):
         engine.step()
 
 
 def measure(model: Path, batch: int, args: argparse.Namespace,
-            profile: cProfile.Profile | None) -> tuple[dict[str, float], float]:
-    """Per-phase ms per step and the step's ms, of the fastest round."""
+            profile: cProfile.Profile) -> tuple[dict[str, float], float]:
+    """Per-phase ms per step and the step's ms, of the fastest round; ``profile`` then sees
+    ``--steps`` more steps (after the timed rounds: the profiler slows what it sees)."""
     llm = LLM(str(model), device="cpu", cpu_threads=1, async_scheduling=False,
               max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * args.prompt_len),
               seed=args.seed)
     try:
-        fill(llm, batch, args.prompt_len, args.seed)
+        fill(llm, batch, args.prompt_len, args.seed, args.stream)
         clock = PhaseClock()
         instrument(llm, clock)
         for _ in range(5):
@@ -131,11 +137,10 @@ def measure(model: Path, batch: int, args: argparse.Namespace,
             for _ in range(args.steps):
                 llm.engine.step()
             rounds.append({p: clock.total[p] / args.steps * 1e3 for p in PHASES})
-        if profile is not None:  # after the timed rounds: the profiler slows what it sees
-            profile.enable()
-            for _ in range(args.steps):
-                llm.engine.step()
-            profile.disable()
+        profile.enable()
+        for _ in range(args.steps):
+            llm.engine.step()
+        profile.disable()
         fastest = min(rounds, key=lambda r: sum(r.values()))
         return fastest, sum(fastest.values())
     finally:
@@ -150,6 +155,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stream", action="store_true",
+                        help="an output per request and step (as the server), not only at the "
+                             "end (as LLM.generate)")
     parser.add_argument("--cprofile", type=int, default=0, metavar="N")
     parser.add_argument("--label", default="", help="a note for the results entry")
     parser.add_argument("--results", type=Path, help="append the table to this Markdown file")
@@ -159,27 +167,29 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(Path(tmp), args.vocab_size)
         for batch in args.batch_size:
-            profile = (cProfile.Profile() if args.cprofile and batch == max(args.batch_size)
-                       else None)
+            profile = cProfile.Profile()
             phases, step_ms = measure(model, batch, args, profile)
-            rows.append((batch, phases, step_ms))
-            if profile is not None:
+            stats = pstats.Stats(profile)
+            # Python function calls per step: the machine's load does not change them.
+            rows.append((batch, phases, step_ms, stats.total_calls / args.steps))
+            if args.cprofile and batch == max(args.batch_size):
                 print(f"\ncProfile, batch {batch}, {args.steps} steps:")
-                pstats.Stats(profile).sort_stats("tottime").print_stats(args.cprofile)
+                stats.sort_stats("tottime").print_stats(args.cprofile)
 
     lines = ["| batch | step ms | " + " | ".join(PHASES) + " | host ms (all but forward) "
-             "| host us per request |",
-             "|---" * (len(PHASES) + 4) + "|"]
-    for batch, phases, step_ms in rows:
+             "| host us per request | Python calls per step |",
+             "|---" * (len(PHASES) + 5) + "|"]
+    for batch, phases, step_ms, calls in rows:
         host = step_ms - phases["forward"]
         lines.append(f"| {batch} | {step_ms:.3f} | "
                      + " | ".join(f"{phases[p]:.3f}" for p in PHASES)
-                     + f" | {host:.3f} | {host / batch * 1e3:.1f} |")
+                     + f" | {host:.3f} | {host / batch * 1e3:.1f} | {calls:,.0f} |")
     print("\n" + "\n".join(lines))
     if args.results:
         command = ("python benchmarks/host_step.py --batch-size "
                    + " ".join(map(str, args.batch_size))
-                   + f" --steps {args.steps} --rounds {args.rounds}")
+                   + f" --steps {args.steps} --rounds {args.rounds}"
+                   + (" --stream" if args.stream else ""))
         note = (f"1-layer Llama, hidden 64, vocab {args.vocab_size}, CPU, 1 torch thread, "
                 "no overlap; CPU ms of the engine thread per decode step, fastest round. "
                 + args.label)

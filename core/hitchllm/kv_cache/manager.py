@@ -54,6 +54,9 @@ class KVCacheManager:
         self.prefix_cache_hits = 0
         # Copy-on-write block copies decided since the last ``take_block_copies``.
         self._block_copies: list[tuple[int, int]] = []
+        # Whether any request was forked: until then no request can write into a shared
+        # block, and allocation need not look for one.
+        self._forked = False
         self.host = HostSwapSpace(num_host_blocks) if num_host_blocks else None
 
     @property
@@ -145,7 +148,7 @@ class KVCacheManager:
         # A hit on a free cached block takes it out of the free pool too.
         num_hit_free = sum(1 for block in hit if block.ref_cnt == 0) if hit else 0
         shared = (self._shared_blocks_to_write(request, blocks)
-                  if num_new_tokens and blocks else [])
+                  if num_new_tokens and blocks and self._forked else [])
         if num_new_blocks + num_hit_free + len(shared) > self.block_pool.num_free_blocks:
             return False
 
@@ -213,6 +216,7 @@ class KVCacheManager:
             raise ValueError(f"request {child.request_id} already holds blocks; fork a new "
                              "request")
         pid, cid = parent.request_id, child.request_id
+        self._forked = True
         blocks = self._blocks.get(pid, [])
         self.block_pool.touch(blocks)
         self._blocks[cid] = list(blocks)

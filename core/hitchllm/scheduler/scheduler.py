@@ -236,9 +236,11 @@ class Scheduler:
             if num_new == 0:
                 index += 1
                 continue
-            # Drafts that do not fit this step's budget are dropped, not split across steps.
-            num_known = request.num_tokens - request.num_computed_tokens
-            del request.spec_token_ids[max(0, num_new - num_known):]
+            if request.spec_token_ids:
+                # Drafts that do not fit this step's budget are dropped, not split across
+                # steps.
+                num_known = request.num_tokens - request.num_computed_tokens
+                del request.spec_token_ids[max(0, num_new - num_known):]
             while not self.kv_cache.allocate_slots(request, num_new):
                 if self._recompute_swapped_if_stuck(request):
                     continue  # blocks only swapped-out requests kept are free now
