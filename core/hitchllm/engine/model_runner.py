@@ -465,6 +465,9 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Each sampling row needs logits at its last token, plus one per draft before it."""
         ends = self.buffers.query_start_loc.np[1:][sample_rows].astype(np.int64)
+        if not any(d for _, d in sampling):  # no drafts: the last token of each row
+            self.buffers.logits_indices.np[: len(ends)] = ends - 1
+            return self.buffers.logits_indices.to_device(len(ends))
         counts = np.fromiter((len(d) + 1 for _, d in sampling), dtype=np.int64,
                              count=len(sampling))
         first = np.repeat(ends - counts, counts)

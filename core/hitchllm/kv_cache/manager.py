@@ -149,7 +149,8 @@ class KVCacheManager:
         num_hit_free = sum(1 for block in hit if block.ref_cnt == 0) if hit else 0
         shared = (self._shared_blocks_to_write(request, blocks)
                   if num_new_tokens and blocks and self._forked else [])
-        if num_new_blocks + num_hit_free + len(shared) > self.block_pool.num_free_blocks:
+        num_taken = num_new_blocks + num_hit_free + len(shared)
+        if num_taken and num_taken > self.block_pool.num_free_blocks:
             return False
 
         if shared:
@@ -169,7 +170,9 @@ class KVCacheManager:
                 # Counted on admission only, so a request that waits is not counted per retry.
                 self.prefix_cache_queries += request.num_prompt_tokens
                 self.prefix_cache_hits += num_hit_tokens
-            self._register_full_blocks(request, min(num_computed_after, request.num_tokens))
+            num_known = min(num_computed_after, len(request.all_token_ids))
+            if num_known // self.block_size > self._num_registered.get(rid, 0):
+                self._register_full_blocks(request, num_known)
         return True
 
     def reserve_blocks(self, request: Request, num_tokens: int) -> bool:

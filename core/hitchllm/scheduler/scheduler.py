@@ -307,10 +307,12 @@ class Scheduler:
         # One pass over the scheduled requests (it runs for every request and step).
         for request, num_new in scheduled.items():
             computed = request.num_computed_tokens
-            sample = computed + num_new >= request.num_tokens + request.num_pending_tokens
-            if computed < request.num_prompt_tokens:
+            sample = (computed + num_new
+                      >= len(request.all_token_ids) + request.num_pending_tokens)
+            num_prompt = len(request.prompt_token_ids)
+            if computed < num_prompt:
                 self.stats.num_prompt_tokens_computed += (
-                    min(computed + num_new, request.num_prompt_tokens) - computed)
+                    min(computed + num_new, num_prompt) - computed)
             request.num_computed_tokens = computed + num_new
             request.num_pending_tokens += sample
             plan.request_ids.append(request.request_id)
@@ -482,10 +484,13 @@ class Scheduler:
     def _num_tokens_to_compute(self, request: Request, budget: int) -> int:
         if request.num_pending_tokens and self._ends_by_length(request):
             return 0  # its pending token is its last: nothing more to compute
-        remaining = (request.num_tokens + request.num_pending_tokens
-                     + len(request.spec_token_ids) - request.num_computed_tokens)
-        room = self.config.max_model_len - request.num_computed_tokens
-        return max(0, min(remaining, budget, room))
+        computed = request.num_computed_tokens
+        remaining = (len(request.all_token_ids) + request.num_pending_tokens
+                     + len(request.spec_token_ids) - computed)
+        # A decode (the common case) needs one token and fits any budget and room left.
+        if remaining == 1 and budget >= 1 and computed < self.config.max_model_len:
+            return 1
+        return max(0, min(remaining, budget, self.config.max_model_len - computed))
 
     def _ends_by_length(self, request: Request) -> bool:
         """True when the request's pending tokens reach max_tokens or max_model_len."""
