@@ -108,6 +108,32 @@ def test_reused_metadata_seeded_and_mixed_tokens_match_rebuilding_every_step(
     assert len(builds) < num_rebuilt  # the reusing run did reuse
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["TRITON_ATTN", "TORCH"])
+def test_cuda_graph_and_async_steps_with_reused_metadata_match_rebuilding(
+        tiny_models, monkeypatch, backend):
+    """On CUDA (async scheduling with the pending-token gather; decode graphs with
+    TRITON_ATTN) reusing the metadata's device tensors gives the tokens of rebuilding them."""
+    path = tiny_models[ARCH]
+
+    def run(m):
+        builds = _count_builds(m)
+        llm = LLM(path, device="cuda", max_num_seqs=5, attention_backend=backend, seed=1)
+        runner = llm.engine.executor.runner
+        if backend == "TRITON_ATTN":
+            assert runner.graphs is not None and runner.graphs.captured
+        outs = llm.generate([{"prompt_token_ids": p} for p in _prompts(len(MIXED), seed=2)],
+                            MIXED, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs], builds
+
+    with monkeypatch.context() as m:
+        m.setattr(SamplingMetadata, "reusable", property(lambda self: False))
+        rebuilt, rebuilt_builds = run(m)
+    reused, reused_builds = run(monkeypatch)
+    assert reused == rebuilt
+    assert len(reused_builds) < len(rebuilt_builds)
+
+
 def _state(batch: InputBatch, rid: str, prompt: list[int], params=None):
     return batch.add(NewRequestData(rid, prompt, params or SamplingParams()), [])
 
