@@ -13,7 +13,9 @@ thread's CPU time, which another process taking the core does not inflate) aroun
 own methods, ``--rounds`` times; the fastest round is reported (the machine may be shared).
 Then ``--steps`` more steps run under cProfile for the Python function calls per step (which
 the machine's load does not change); ``--cprofile N`` prints the N functions with the most
-own time there at the largest batch. ``--results`` appends the table to a Markdown file.
+own time there at the largest batch. ``--generate N`` also times ``LLM.generate`` of each
+batch (N output tokens per request) with the engine's defaults, overlapped steps included.
+``--results`` appends the tables to a Markdown file.
 
     python benchmarks/host_step.py --batch-size 32 128 256 --results benchmarks/RESULTS.md
 """
@@ -147,6 +149,25 @@ def measure(model: Path, batch: int, args: argparse.Namespace,
         llm.close()
 
 
+def generate_tok_s(model: Path, batch: int, args: argparse.Namespace) -> tuple[float, float]:
+    """Output tok/s and process CPU seconds of ``LLM.generate`` over the batch with the
+    engine's defaults (async scheduling: on the CPU the model runs on a thread of its own)."""
+    llm = LLM(str(model), device="cpu", max_num_seqs=batch, seed=args.seed)
+    try:
+        rng = random.Random(args.seed)
+        vocab = llm.engine.model_config.vocab_size
+        prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(args.prompt_len)]}
+                   for _ in range(batch)]
+        params = SamplingParams(temperature=0.0, max_tokens=args.generate, ignore_eos=True)
+        llm.generate(prompts[:2], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+        start, cpu = time.perf_counter(), time.process_time()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+        return sum(len(o.outputs[0].token_ids) for o in outs) / wall, cpu
+    finally:
+        llm.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-size", type=int, nargs="+", default=[32, 128, 256])
@@ -158,6 +179,9 @@ def main() -> None:
     parser.add_argument("--stream", action="store_true",
                         help="an output per request and step (as the server), not only at the "
                              "end (as LLM.generate)")
+    parser.add_argument("--generate", type=int, default=0, metavar="N",
+                        help="also time LLM.generate of each batch, N output tokens per "
+                             "request, with the engine's defaults (overlapped steps)")
     parser.add_argument("--cprofile", type=int, default=0, metavar="N")
     parser.add_argument("--label", default="", help="a note for the results entry")
     parser.add_argument("--results", type=Path, help="append the table to this Markdown file")
@@ -184,12 +208,22 @@ def main() -> None:
         lines.append(f"| {batch} | {step_ms:.3f} | "
                      + " | ".join(f"{phases[p]:.3f}" for p in PHASES)
                      + f" | {host:.3f} | {host / batch * 1e3:.1f} | {calls:,.0f} |")
+    if args.generate:
+        lines += ["", f"`LLM.generate`, {args.generate} output tokens per request, engine "
+                  "defaults (async scheduling, model on its own thread):", "",
+                  "| batch | output tok/s | process CPU s |", "|---|---|---|"]
+        with tempfile.TemporaryDirectory() as tmp:
+            model = build_model(Path(tmp), args.vocab_size)
+            for batch in args.batch_size:
+                tok_s, cpu = generate_tok_s(model, batch, args)
+                lines.append(f"| {batch} | {tok_s:,.0f} | {cpu:.2f} |")
     print("\n" + "\n".join(lines))
     if args.results:
         command = ("python benchmarks/host_step.py --batch-size "
                    + " ".join(map(str, args.batch_size))
                    + f" --steps {args.steps} --rounds {args.rounds}"
-                   + (" --stream" if args.stream else ""))
+                   + (" --stream" if args.stream else "")
+                   + (f" --generate {args.generate}" if args.generate else ""))
         note = (f"1-layer Llama, hidden 64, vocab {args.vocab_size}, CPU, 1 torch thread, "
                 "no overlap; CPU ms of the engine thread per decode step, fastest round. "
                 + args.label)

@@ -226,16 +226,18 @@ def test_host_step_benchmark_reports_every_phase(tmp_path, monkeypatch):
 
     results = tmp_path / "RESULTS.md"
     monkeypatch.setattr(sys, "argv", ["host_step.py", "--batch-size", "2", "6", "--steps", "4",
-                                      "--rounds", "2", "--vocab-size", "600", "--results",
-                                      str(results)])
+                                      "--rounds", "2", "--vocab-size", "600", "--generate",
+                                      "3", "--results", str(results)])
     host_step.main()
     text = results.read_text()
     assert "## Host time per step" in text and "| schedule | prepare inputs |" in text
-    rows = [line for line in text.splitlines() if line.startswith(("| 2 |", "| 6 |"))]
-    assert len(rows) == 2
+    rows = [line for line in text.splitlines() if line.startswith(("| 2 |", "| 6 |"))][:2]
     for row in rows:
         cells = [float(c.replace(",", "")) for c in row.strip("|").split("|")]
         step_ms, phases = cells[1], cells[2:2 + len(host_step.PHASES)]
         assert step_ms > 0 and all(p >= 0 for p in phases)
         assert sum(phases) == pytest.approx(step_ms, abs=0.01)
         assert cells[-1] > 0  # Python calls per step
+    assert "| output tok/s | process CPU s |" in text
+    generated = [line for line in text.splitlines()[-3:] if line.startswith("| ")]
+    assert [line.split("|")[1].strip() for line in generated] == ["2", "6"]
