@@ -482,22 +482,24 @@ class Scheduler:
         self._suspects = [g for g in self._suspects if g]
 
     def _num_tokens_to_compute(self, request: Request, budget: int) -> int:
-        if request.num_pending_tokens and self._ends_by_length(request):
-            return 0  # its pending token is its last: nothing more to compute
+        # Runs for every running request and step: list lengths are read directly.
         computed = request.num_computed_tokens
-        remaining = (len(request.all_token_ids) + request.num_pending_tokens
-                     + len(request.spec_token_ids) - computed)
-        # A decode (the common case) needs one token and fits any budget and room left.
-        if remaining == 1 and budget >= 1 and computed < self.config.max_model_len:
-            return 1
-        return max(0, min(remaining, budget, self.config.max_model_len - computed))
-
-    def _ends_by_length(self, request: Request) -> bool:
-        """True when the request's pending tokens reach max_tokens or max_model_len."""
-        max_tokens = request.sampling_params.max_tokens
         pending = request.num_pending_tokens
-        return ((max_tokens is not None and request.num_output_tokens + pending >= max_tokens)
-                or request.num_tokens + pending >= self.config.max_model_len)
+        num_tokens = len(request.all_token_ids)
+        max_model_len = self.config.max_model_len
+        if pending:
+            # Its pending tokens reach max_tokens or max_model_len: the last one is being
+            # sampled, nothing more to compute.
+            max_tokens = request.sampling_params.max_tokens
+            if ((max_tokens is not None
+                 and len(request.output_token_ids) + pending >= max_tokens)
+                    or num_tokens + pending >= max_model_len):
+                return 0
+        remaining = num_tokens + pending + len(request.spec_token_ids) - computed
+        # A decode (the common case) needs one token and fits any budget and room left.
+        if remaining == 1 and budget >= 1 and computed < max_model_len:
+            return 1
+        return max(0, min(remaining, budget, max_model_len - computed))
 
     def _preempt(self, request: Request, may_swap: bool = True) -> None:
         self._dequeue(request)
