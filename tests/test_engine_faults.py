@@ -34,16 +34,17 @@ def texts(outputs) -> list[str]:
 def fail_requests(engine, monkeypatch, bad_ids: set[str], calls: list[str] | None = None):
     """Make every step that samples for a request in ``bad_ids`` raise (as a sampler bug
     tied to one request's parameters would)."""
-    original = engine.executor.runner._generator_for
+    original = engine.executor.runner._sampling_metadata
 
-    def generator_for(request):
-        if calls is not None:
-            calls.append(request.request_id)
-        if request.request_id in bad_ids:
-            raise RuntimeError("injected failure")
-        return original(request)
+    def sampling_metadata(sampling, *args):
+        for request, _ in sampling:
+            if calls is not None:
+                calls.append(request.request_id)
+            if request.request_id in bad_ids:
+                raise RuntimeError("injected failure")
+        return original(sampling, *args)
 
-    monkeypatch.setattr(engine.executor.runner, "_generator_for", generator_for)
+    monkeypatch.setattr(engine.executor.runner, "_sampling_metadata", sampling_metadata)
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])

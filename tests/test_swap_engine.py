@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 from reference import hf_greedy
+from test_engine_faults import fail_requests
 from test_models_hf_parity import mixed_prompts
 
 from hitchllm import LLM, EngineConfig, SamplingParams
@@ -248,14 +249,7 @@ def test_a_failing_request_under_swap_leaves_the_others_and_the_pools_whole(case
            for i, p in enumerate(prompts)]
     while not engine.stats().num_swap_outs:
         engine.step()
-    original = engine.executor.runner._generator_for
-
-    def generator_for(request):
-        if request.request_id == "r5":
-            raise RuntimeError("injected failure")
-        return original(request)
-
-    monkeypatch.setattr(engine.executor.runner, "_generator_for", generator_for)
+    fail_requests(engine, monkeypatch, {"r5"})
     finished = {}
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -4,8 +4,9 @@ block tables.
 The runner learns of a request from the step plan (``NewRequestData``), then advances the
 request's state itself: tokens from its own sampling (``RequestState.append_tokens``), blocks
 from each plan's ``new_block_ids``. Each running request owns a row; between steps only what
-changed is copied in, so building a step's flat tensors is a handful of vectorized numpy
-gathers instead of per-token Python loops.
+changed is copied in (``sync_rows``: the decode rows' new tokens in one assignment), so
+building a step's flat tensors is a handful of vectorized numpy gathers instead of per-token
+Python loops.
 """
 
 from __future__ import annotations
@@ -87,6 +88,44 @@ class InputBatch:
         state = self.states.pop(request_id, None)
         if state is not None:
             self._free_rows.append(state.row)
+
+    def sync_rows(
+        self, request_ids: list[str], new_block_ids: list[list[int]],
+        draft_token_ids: dict[str, list[int]],
+    ) -> tuple[list[RequestState], list[list[int]], np.ndarray, np.ndarray]:
+        """Bring the rows of one step's requests up to date (``sync`` of each): their states,
+        drafts, rows, and the tokens of each the host knows (drafts included).
+
+        One pass over the requests: the common decode row (one token sampled since its last
+        step, no new block) only adds that token to a list, and the tokens of all such rows
+        are written with one assignment."""
+        states = [self.states[rid] for rid in request_ids]
+        no_drafts: list[int] = []
+        drafts = ([draft_token_ids.get(rid, no_drafts) for rid in request_ids]
+                  if draft_token_ids else [no_drafts] * len(states))
+        rows: list[int] = []
+        known: list[int] = []
+        new_rows: list[int] = []
+        new_cols: list[int] = []
+        new_tokens: list[int] = []
+        for state, blocks, row_drafts in zip(states, new_block_ids, drafts, strict=True):
+            output = state.output_token_ids
+            end = len(state.prompt_token_ids) + len(output)
+            if (not blocks and not row_drafts and end == state.num_synced_tokens + 1
+                    and output):
+                new_rows.append(state.row)
+                new_cols.append(end - 1)
+                new_tokens.append(output[-1])
+                state.num_synced_tokens = end
+                rows.append(state.row)
+                known.append(end)
+            else:
+                rows.append(self.sync(state, blocks, row_drafts))
+                known.append(end + len(row_drafts))
+        if new_rows:
+            self.token_ids[new_rows, new_cols] = new_tokens
+        return (states, drafts, np.asarray(rows, dtype=np.int64),
+                np.asarray(known, dtype=np.int64))
 
     def sync(self, state: RequestState, new_block_ids: list[int], drafts: list[int]) -> int:
         """Copy in the request's tokens sampled since the last sync, its drafts (rewritten

@@ -828,11 +828,14 @@ class LLMEngine:
         """Whether a step of ``requests`` may launch before the step in flight completes: not
         when a request's sampling depends on output tokens the host has not seen (penalties,
         min_tokens still counting, and logits processors such as a grammar or bad words)."""
-        return not any(r.sampling_params.uses_penalties
-                       or r.num_output_tokens < r.sampling_params.min_tokens
-                       or (r.logits_processors and any(p.needs_output_tokens
-                                                       for p in r.logits_processors))
-                       for r in requests)
+        # A plain loop: it runs for every request and step.
+        for r in requests:
+            params = r.sampling_params
+            if (len(r.output_token_ids) < params.min_tokens or params.uses_penalties
+                    or (r.logits_processors and any(p.needs_output_tokens
+                                                    for p in r.logits_processors))):
+                return False
+        return True
 
     def _complete(self, launched: _Launched) -> list[RequestOutput]:
         """Wait for a launched step's tokens and fold them into requests and outputs."""

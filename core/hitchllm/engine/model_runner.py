@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -29,7 +30,7 @@ from hitchllm.engine.prompt_logprobs import compute_prompt_logprobs
 from hitchllm.engine.rejection_sampler import build_draft_tokens
 from hitchllm.engine.runner_output import PendingOutput, RunnerOutput
 from hitchllm.engine.sampler import Sampler
-from hitchllm.engine.sampling_metadata import build_sampling_metadata
+from hitchllm.engine.sampling_metadata import SamplingMetadata, build_sampling_metadata
 from hitchllm.engine.step_buffers import StepBuffers
 from hitchllm.kv_transfer.connector import KVConnector, run_kv_transfers
 from hitchllm.logits_processor import LogitsEdit, LogitsProcessor, LogitsRow
@@ -132,6 +133,9 @@ class ModelRunner:
         self._sample_rows: torch.Tensor | None = None
         self.default_generator = torch.Generator(device).manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
+        # The last step's sampling metadata and the request states of its rows, while it may
+        # serve a next step of the same rows (``_sampling_metadata``).
+        self._reusable_metadata: tuple[tuple[RequestState, ...], SamplingMetadata] | None = None
         # Whether a step's output carries the final hidden states of its sampled positions
         # (for a proposer that drafts from them); off, they cost nothing.
         self.keep_hidden_states = keep_hidden_states
@@ -300,17 +304,12 @@ class ModelRunner:
         tl = timeline.ACTIVE
         if tl is not None:
             tl.device_mark("step_start")
-        states = [batch.states[rid] for rid in plan.request_ids]
-        drafts = [plan.draft_token_ids.get(rid, []) for rid in plan.request_ids]
-        rows = np.fromiter(
-            (batch.sync(s, b, d) for s, b, d in zip(states, plan.new_block_ids, drafts)),
-            dtype=np.int64, count=len(states),
-        )
+        # ``known``: tokens of each row the host knows; the rest of its scheduled tokens are
+        # pending.
+        states, drafts, rows, known = batch.sync_rows(
+            plan.request_ids, plan.new_block_ids, plan.draft_token_ids)
         num_sched = np.asarray(plan.num_scheduled_tokens, dtype=np.int64)
         num_computed = np.asarray(plan.num_computed_tokens, dtype=np.int64)
-        # Tokens of each row the host knows: the rest of its scheduled tokens are pending.
-        known = np.fromiter((s.num_tokens + len(d) for s, d in zip(states, drafts)),
-                            dtype=np.int64, count=len(states))
         graph_size = None
         query_len = int(num_sched[0])
         if self.graphs is not None and (num_sched == query_len).all():
@@ -467,6 +466,9 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Each sampling row needs logits at its last token, plus one per draft before it."""
         ends = self.buffers.query_start_loc.np[1:][sample_rows].astype(np.int64)
+        if not any(d for _, d in sampling):  # no drafts: the last token of each row
+            self.buffers.logits_indices.np[: len(ends)] = ends - 1
+            return self.buffers.logits_indices.to_device(len(ends))
         counts = np.fromiter((len(d) + 1 for _, d in sampling), dtype=np.int64,
                              count=len(sampling))
         first = np.repeat(ends - counts, counts)
@@ -488,6 +490,34 @@ class ModelRunner:
         probabilities (``draft_probs``) when its proposer gave them. ``PendingOutput.result``
         then walks the rows.
         """
+        metadata = self._sampling_metadata(sampling, draft_probs, logits.shape[0])
+        result = self.sampler(logits, metadata)
+        sampled = result.sampled_token_ids
+        if self._sample_rows is not None:  # keep each row's token for a next step's input
+            self.last_sampled[self._sample_rows] = sampled
+        if self.device.type != "cuda":
+            return PendingOutput(sampling, sampled, None, result.logprobs)
+        # The host buffers in turn: the previous steps' may not have been read yet.
+        self._sampled_slot = (self._sampled_slot + 1) % len(self._sampled_host)
+        host = self._sampled_host[self._sampled_slot][: logits.shape[0]]
+        host.copy_(sampled, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return PendingOutput(sampling, host, ready, result.logprobs)
+
+    def _sampling_metadata(
+        self, sampling: list[tuple[RequestState, list[int]]],
+        draft_probs: dict[str, torch.Tensor], num_logit_rows: int,
+    ) -> SamplingMetadata:
+        """The step's sampling metadata (``num_logit_rows``: one per request, plus one per
+        draft). While the same request states sample in the same rows without drafts, the
+        previous step's is used again (a shallow copy) when nothing in it depends on the
+        tokens sampled since (``SamplingMetadata.reusable``): a batch of decoding requests
+        rebuilds it only when a request joins, leaves or moves."""
+        rows = tuple(r for r, _ in sampling)
+        reused = self._reusable_metadata
+        if reused is not None and num_logit_rows == len(rows) and reused[0] == rows:
+            return replace(reused[1])
         logit_rows = [(r, drafts[:j]) for r, drafts in sampling for j in range(len(drafts) + 1)]
         metadata = build_sampling_metadata(
             params=[r.sampling_params for r, _ in logit_rows],
@@ -507,19 +537,9 @@ class ModelRunner:
                 [(drafts, draft_probs.get(r.request_id) if drafts else None)
                  for r, drafts in sampling],
                 self.vocab_size, self.device)
-        result = self.sampler(logits, metadata)
-        sampled = result.sampled_token_ids
-        if self._sample_rows is not None:  # keep each row's token for a next step's input
-            self.last_sampled[self._sample_rows] = sampled
-        if self.device.type != "cuda":
-            return PendingOutput(sampling, sampled, None, result.logprobs)
-        # The host buffers in turn: the previous steps' may not have been read yet.
-        self._sampled_slot = (self._sampled_slot + 1) % len(self._sampled_host)
-        host = self._sampled_host[self._sampled_slot][: len(logit_rows)]
-        host.copy_(sampled, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return PendingOutput(sampling, host, ready, result.logprobs)
+        reusable = len(logit_rows) == len(rows) and metadata.reusable
+        self._reusable_metadata = (rows, metadata) if reusable else None
+        return metadata
 
     def _logits_edits(
         self, logit_rows: list[tuple[RequestState, list[int]]]

@@ -79,6 +79,13 @@ class PendingOutput:
         if self.ready is not None:
             self.ready.synchronize()
         sampled = self.sampled_host.tolist()
+        if len(sampled) == len(self.requests) and self.logprobs is None:
+            # No drafts (one row per request) and no logprobs: every step of plain decoding.
+            for (r, _), token in zip(self.requests, sampled):
+                out.sampled[r.request_id] = [token]
+                r.output_token_ids.append(token)
+            out.hidden_states = self.hidden_states
+            return out
         entries = self._logprob_entries() if self.logprobs is not None else None
         last_rows = []
         i = 0

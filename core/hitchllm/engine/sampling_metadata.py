@@ -65,6 +65,15 @@ class SamplingMetadata:
         """True when no row uses a presence, frequency or repetition penalty."""
         return self.repetition_penalty is None
 
+    @property
+    def reusable(self) -> bool:
+        """True when the metadata holds for the same rows' next steps too: nothing in it
+        depends on the tokens the rows output (penalties count them, min_tokens forbids stop
+        tokens until enough are out, logits processors may follow them; drafts change every
+        step). A row past its min_tokens stays past it, so the tensors are then constant."""
+        return (self.no_penalties and self.stop_token_mask_rows is None
+                and not self.logits_edits and self.drafts is None)
+
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A tensor of ``values`` on ``device``; the copy to a GPU does not wait for the GPU."""

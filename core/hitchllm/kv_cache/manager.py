@@ -54,6 +54,9 @@ class KVCacheManager:
         self.prefix_cache_hits = 0
         # Copy-on-write block copies decided since the last ``take_block_copies``.
         self._block_copies: list[tuple[int, int]] = []
+        # Whether any request was forked: until then no request can write into a shared
+        # block, and allocation need not look for one.
+        self._forked = False
         self.host = HostSwapSpace(num_host_blocks) if num_host_blocks else None
 
     @property
@@ -128,11 +131,14 @@ class KVCacheManager:
         and the lookup is counted in the prefix-cache stats. Returns False, changing nothing,
         when too few blocks are free; free cached blocks count as free and are evicted first.
         """
+        # Runs for every scheduled request and step: the common case (a decode that fits the
+        # blocks it holds) skips what it does not need.
+        rid = request.request_id
         hit = new_computed_blocks or []
-        blocks = self._blocks.get(request.request_id, [])
+        blocks = self._blocks.get(rid, [])
         if hit and (blocks or request.num_computed_tokens):
             raise ValueError(
-                f"request {request.request_id}: new_computed_blocks are only valid for a "
+                f"request {rid}: new_computed_blocks are only valid for a "
                 "request with no computed tokens and no blocks"
             )
         num_hit_tokens = len(hit) * self.block_size
@@ -140,26 +146,33 @@ class KVCacheManager:
         num_needed = -(-(num_computed_after + num_lookahead_tokens) // self.block_size)
         num_new_blocks = max(0, num_needed - len(blocks) - len(hit))
         # A hit on a free cached block takes it out of the free pool too.
-        num_hit_free = sum(1 for block in hit if block.ref_cnt == 0)
-        shared = self._shared_blocks_to_write(request, blocks) if num_new_tokens else []
-        if num_new_blocks + num_hit_free + len(shared) > self.block_pool.num_free_blocks:
+        num_hit_free = sum(1 for block in hit if block.ref_cnt == 0) if hit else 0
+        shared = (self._shared_blocks_to_write(request, blocks)
+                  if num_new_tokens and blocks and self._forked else [])
+        num_taken = num_new_blocks + num_hit_free + len(shared)
+        if num_taken and num_taken > self.block_pool.num_free_blocks:
             return False
 
-        self._copy_on_write(request, blocks, shared)
-        self.block_pool.touch(hit)
-        new = self.block_pool.get_new_blocks(num_new_blocks)
+        if shared:
+            self._copy_on_write(request, blocks, shared)
         if hit:  # only for a request that holds no block yet
+            self.block_pool.touch(hit)
             blocks = list(hit)
-            self._block_ids[request.request_id] = [b.block_id for b in hit]
-        blocks.extend(new)
-        self._blocks[request.request_id] = blocks
-        self._block_ids.setdefault(request.request_id, []).extend(b.block_id for b in new)
+            self._block_ids[rid] = [b.block_id for b in hit]
+        block_ids = self._block_ids.setdefault(rid, [])
+        if num_new_blocks:
+            new = self.block_pool.get_new_blocks(num_new_blocks)
+            blocks.extend(new)
+            block_ids.extend(b.block_id for b in new)
+        self._blocks[rid] = blocks
         if self._uses_hashing(request):
             if new_computed_blocks is not None:
                 # Counted on admission only, so a request that waits is not counted per retry.
                 self.prefix_cache_queries += request.num_prompt_tokens
                 self.prefix_cache_hits += num_hit_tokens
-            self._register_full_blocks(request, min(num_computed_after, request.num_tokens))
+            num_known = min(num_computed_after, len(request.all_token_ids))
+            if num_known // self.block_size > self._num_registered.get(rid, 0):
+                self._register_full_blocks(request, num_known)
         return True
 
     def reserve_blocks(self, request: Request, num_tokens: int) -> bool:
@@ -206,6 +219,7 @@ class KVCacheManager:
             raise ValueError(f"request {child.request_id} already holds blocks; fork a new "
                              "request")
         pid, cid = parent.request_id, child.request_id
+        self._forked = True
         blocks = self._blocks.get(pid, [])
         self.block_pool.touch(blocks)
         self._blocks[cid] = list(blocks)

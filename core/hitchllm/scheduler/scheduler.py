@@ -236,9 +236,11 @@ class Scheduler:
             if num_new == 0:
                 index += 1
                 continue
-            # Drafts that do not fit this step's budget are dropped, not split across steps.
-            num_known = request.num_tokens - request.num_computed_tokens
-            del request.spec_token_ids[max(0, num_new - num_known):]
+            if request.spec_token_ids:
+                # Drafts that do not fit this step's budget are dropped, not split across
+                # steps.
+                num_known = request.num_tokens - request.num_computed_tokens
+                del request.spec_token_ids[max(0, num_new - num_known):]
             while not self.kv_cache.allocate_slots(request, num_new):
                 if self._recompute_swapped_if_stuck(request):
                     continue  # blocks only swapped-out requests kept are free now
@@ -301,19 +303,22 @@ class Scheduler:
             scheduled[request] = num_new
             budget -= num_new
 
-        requests = list(scheduled)
-        counts = [scheduled[r] for r in requests]
-        computed = [r.num_computed_tokens for r in requests]
-        samples = [c + n >= r.num_tokens + r.num_pending_tokens
-                   for r, c, n in zip(requests, computed, counts)]
-        for request, num_new, sample in zip(requests, counts, samples):
-            self.stats.num_prompt_tokens_computed += max(
-                0, min(request.num_computed_tokens + num_new, request.num_prompt_tokens)
-                - request.num_computed_tokens)
-            request.num_computed_tokens += num_new
+        plan = StepPlan()
+        # One pass over the scheduled requests (it runs for every request and step).
+        for request, num_new in scheduled.items():
+            computed = request.num_computed_tokens
+            sample = (computed + num_new
+                      >= len(request.all_token_ids) + request.num_pending_tokens)
+            num_prompt = len(request.prompt_token_ids)
+            if computed < num_prompt:
+                self.stats.num_prompt_tokens_computed += (
+                    min(computed + num_new, num_prompt) - computed)
+            request.num_computed_tokens = computed + num_new
             request.num_pending_tokens += sample
-        plan = StepPlan([r.request_id for r in requests], counts, computed, samples)
-        for request in requests:
+            plan.request_ids.append(request.request_id)
+            plan.num_scheduled_tokens.append(num_new)
+            plan.num_computed_tokens.append(computed)
+            plan.samples.append(sample)
             self._plan_request(plan, request)
         plan.block_copies = self.kv_cache.take_block_copies()
         plan.swap_out, plan.swap_in = self.kv_cache.take_swaps()
@@ -356,8 +361,11 @@ class Scheduler:
             plan.new_requests.append(NewRequestData(
                 rid, request.prompt_token_ids, request.sampling_params, request.eos_token_ids,
                 list(request.output_token_ids), request.lora_request))
-        plan.new_block_ids.append(blocks[sent:])
-        self._blocks_sent[rid] = len(blocks)
+        if sent == len(blocks):  # most decode steps: no new block
+            plan.new_block_ids.append([])
+        else:
+            plan.new_block_ids.append(blocks[sent:])
+            self._blocks_sent[rid] = len(blocks)
         if request.spec_token_ids:
             plan.draft_token_ids[rid] = list(request.spec_token_ids)
             if request.spec_token_probs is not None:
@@ -474,19 +482,24 @@ class Scheduler:
         self._suspects = [g for g in self._suspects if g]
 
     def _num_tokens_to_compute(self, request: Request, budget: int) -> int:
-        if request.num_pending_tokens and self._ends_by_length(request):
-            return 0  # its pending token is its last: nothing more to compute
-        remaining = (request.num_tokens + request.num_pending_tokens
-                     + len(request.spec_token_ids) - request.num_computed_tokens)
-        room = self.config.max_model_len - request.num_computed_tokens
-        return max(0, min(remaining, budget, room))
-
-    def _ends_by_length(self, request: Request) -> bool:
-        """True when the request's pending tokens reach max_tokens or max_model_len."""
-        max_tokens = request.sampling_params.max_tokens
+        # Runs for every running request and step: list lengths are read directly.
+        computed = request.num_computed_tokens
         pending = request.num_pending_tokens
-        return ((max_tokens is not None and request.num_output_tokens + pending >= max_tokens)
-                or request.num_tokens + pending >= self.config.max_model_len)
+        num_tokens = len(request.all_token_ids)
+        max_model_len = self.config.max_model_len
+        if pending:
+            # Its pending tokens reach max_tokens or max_model_len: the last one is being
+            # sampled, nothing more to compute.
+            max_tokens = request.sampling_params.max_tokens
+            if ((max_tokens is not None
+                 and len(request.output_token_ids) + pending >= max_tokens)
+                    or num_tokens + pending >= max_model_len):
+                return 0
+        remaining = num_tokens + pending + len(request.spec_token_ids) - computed
+        # A decode (the common case) needs one token and fits any budget and room left.
+        if remaining == 1 and budget >= 1 and computed < max_model_len:
+            return 1
+        return max(0, min(remaining, budget, max_model_len - computed))
 
     def _preempt(self, request: Request, may_swap: bool = True) -> None:
         self._dequeue(request)
@@ -536,25 +549,32 @@ class Scheduler:
         strings (found by the detokenizer) through ``finish_requests``.
         """
         updated = []
+        # The loop runs for every request and step: what only drafts or suspects need is
+        # skipped without them.
+        all_drafts = plan.draft_token_ids
         for request, sample in zip(requests, plan.samples, strict=True):
             if not sample:
                 continue
             request.num_pending_tokens -= 1
             tokens = sampled.get(request.request_id)
-            if request.finished or not tokens:
+            if not tokens or request.finished:
                 continue
-            drafts = plan.draft_token_ids.get(request.request_id)
+            drafts = all_drafts.get(request.request_id) if all_drafts else None
             if drafts:
                 self.stats.num_spec_drafts += 1
                 self.stats.num_spec_draft_tokens += len(drafts)
                 self.stats.num_spec_accepted_tokens += len(tokens) - 1
-            if request.status == RequestStatus.RUNNING:
-                # Rejected drafts were computed but are not part of the sequence: their K/V
-                # will be overwritten. ``tokens`` holds the accepted drafts plus one new token.
-                request.num_computed_tokens -= len(request.spec_token_ids) - (len(tokens) - 1)
-            request.spec_token_ids = []
+            if request.spec_token_ids or len(tokens) > 1:
+                if request.status == RequestStatus.RUNNING:
+                    # Rejected drafts were computed but are not part of the sequence: their
+                    # K/V will be overwritten. ``tokens`` holds the accepted drafts plus one
+                    # new token.
+                    request.num_computed_tokens -= (len(request.spec_token_ids)
+                                                    - (len(tokens) - 1))
+                request.spec_token_ids = []
             request.spec_token_probs = None
-            self._clear_suspect(request)  # it sampled without failing
+            if self._suspects:
+                self._clear_suspect(request)  # it sampled without failing
             for token in tokens:
                 request.append_output_token(token)
                 status = check_stop(request, self.config.max_model_len)
