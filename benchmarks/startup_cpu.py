@@ -8,7 +8,7 @@ start to the first generated token on its stdout, and to its exit, and the CPU s
 imports hitchllm and its plugins from that checkout's ``core/`` and ``plugins/*``), e.g. a
 change against the main checkout on a machine other processes share:
 
-    python benchmarks/startup_cpu.py [--rounds 5] [--trees main=/work/main,this=.] \
+    python benchmarks/startup_cpu.py [--rounds 5] [--trees main=MAIN_CHECKOUT,this=.] \
         [--results benchmarks/RESULTS.md]
 """
 
