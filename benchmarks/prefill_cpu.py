@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from startup_cpu import tree_pythonpath  # noqa: E402
+from startup_cpu import tree_pythonpath
 
 SECTION = "## Prefill on CPU (benchmarks/prefill_cpu.py)"
 ABOUT = ("Reproduce: `python benchmarks/prefill_cpu.py --results benchmarks/RESULTS.md`. "
