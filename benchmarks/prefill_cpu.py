@@ -12,7 +12,7 @@ appends the table to ``--results``.
 ``--trees`` compares checkouts in interleaved rounds (``LABEL=DIR``, comma-separated), e.g. a
 change against the main checkout on a machine other processes share:
 
-    python benchmarks/prefill_cpu.py [--rounds 3] [--trees main=/work/main,this=.] \\
+    python benchmarks/prefill_cpu.py [--rounds 3] [--trees main=MAIN_CHECKOUT,this=.] \\
         [--dtypes float32,bfloat16] [--results benchmarks/RESULTS.md]
 """
 
