@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from startup_cpu import tree_pythonpath
+from checkouts import add_trees_argument, command_line, parse_trees, tree_pythonpath
 
 SECTION = "## Prefill on CPU (benchmarks/prefill_cpu.py)"
 ABOUT = ("Reproduce: `python benchmarks/prefill_cpu.py --results benchmarks/RESULTS.md`. "
@@ -97,9 +97,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3, help="timed batches per shape")
-    parser.add_argument("--trees", default=f"this={Path(__file__).resolve().parents[1]}",
-                        help="LABEL=DIR checkouts to compare, comma-separated (default: this "
-                             "one)")
+    add_trees_argument(parser)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--shapes", default=",".join(SHAPES),
                         help=f"comma-separated, of {', '.join(SHAPES)} or NxLEN")
@@ -107,12 +105,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=600, help="seconds per process")
     parser.add_argument("--results", type=Path, help="append the table to this Markdown file")
     args = parser.parse_args()
-    trees: dict[str, Path] = {}
-    for item in args.trees.split(","):
-        label, sep, directory = item.partition("=")
-        if not sep or not (Path(directory) / "core" / "hitchllm").is_dir():
-            parser.error(f"--trees: {item!r} is not LABEL=DIR with DIR a hitchllm checkout")
-        trees[label] = Path(directory).resolve()
+    trees = parse_trees(parser, args.trees)
     shapes = args.shapes.split(",")
     for shape in shapes:
         n, x, length = shape.partition("x")
@@ -136,11 +129,7 @@ def main() -> None:
     if args.results:
         from results_md import append_results, entry_heading
 
-        argv = sys.argv[1:]
-        kept = [a for i, a in enumerate(argv) if a != "--results"
-                and (i == 0 or argv[i - 1] != "--results")]
-        heading = entry_heading("prefill_cpu", " ".join(["python benchmarks/prefill_cpu.py",
-                                                         *kept]),
+        heading = entry_heading("prefill_cpu", command_line("prefill_cpu.py", sys.argv[1:]),
                                 f"{args.rounds} rounds x {args.repeats} repeats, "
                                 f"{args.model or 'the bundled model'}")
         append_results(args.results, heading + lines, SECTION, ABOUT)

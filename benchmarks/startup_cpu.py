@@ -25,6 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from checkouts import add_trees_argument, command_line, parse_trees, tree_pythonpath
+
 SECTION = "## Start-up to the first token on CPU (benchmarks/startup_cpu.py)"
 ABOUT = ("Reproduce: `python benchmarks/startup_cpu.py --results benchmarks/RESULTS.md`. "
          "Seconds from a fresh `hitchllm generate --prompt Hello --max-tokens 1` process's "
@@ -32,12 +34,6 @@ ABOUT = ("Reproduce: `python benchmarks/startup_cpu.py --results benchmarks/RESU
          "(user + system); median of the rounds (min-max), rounds interleaving the checkouts "
          "compared.")
 PROMPT = "Hello"
-
-
-def tree_pythonpath(tree: Path) -> str:
-    """The import path of a checkout: its core and every plugin directory."""
-    plugins = sorted(p for p in (tree / "plugins").iterdir() if p.is_dir())
-    return os.pathsep.join(str(p) for p in [tree / "core", *plugins])
 
 
 def run_once(tree: Path, args: argparse.Namespace) -> tuple[float, float, float]:
@@ -95,21 +91,14 @@ def table(runs: dict[str, list[tuple[float, float, float]]], loads: list[float])
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--trees", default=f"this={Path(__file__).resolve().parents[1]}",
-                        help="LABEL=DIR checkouts to compare, comma-separated (default: this "
-                             "one)")
+    add_trees_argument(parser)
     parser.add_argument("--model", help="checkpoint directory (default: the bundled model)")
     parser.add_argument("--timeout", type=float, default=120, help="seconds per run")
     parser.add_argument("--results", type=Path, help="append the table to this Markdown file")
     parser.add_argument("engine_args", nargs="*",
                         help="more `hitchllm generate` flags, after `--`")
     args = parser.parse_args()
-    trees: dict[str, Path] = {}
-    for item in args.trees.split(","):
-        label, sep, directory = item.partition("=")
-        if not sep or not (Path(directory) / "core" / "hitchllm").is_dir():
-            parser.error(f"--trees: {item!r} is not LABEL=DIR with DIR a hitchllm checkout")
-        trees[label] = Path(directory).resolve()
+    trees = parse_trees(parser, args.trees)
 
     runs: dict[str, list[tuple[float, float, float]]] = {label: [] for label in trees}
     loads = []
@@ -125,11 +114,7 @@ def main() -> None:
     if args.results:
         from results_md import append_results, entry_heading
 
-        argv = sys.argv[1:]
-        kept = [a for i, a in enumerate(argv) if a != "--results"
-                and (i == 0 or argv[i - 1] != "--results")]
-        heading = entry_heading("startup_cpu", " ".join(["python benchmarks/startup_cpu.py",
-                                                         *kept]),
+        heading = entry_heading("startup_cpu", command_line("startup_cpu.py", sys.argv[1:]),
                                 f"{args.rounds} rounds, {args.model or 'the bundled model'}")
         append_results(args.results, heading + lines, SECTION, ABOUT)
 
