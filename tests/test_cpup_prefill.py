@@ -5,24 +5,17 @@
   (GQA and MHA, several lengths on and off the multiple, with and without a cached prefix,
   prompts mixed with decodes, stale non-finite values in the cache's unused slots), and against
   the unpadded path (TORCH's) within bf16 rounding.
-- bfloat16 linears pad their rows to a bounded set of sizes (``padded_rows``): the same bits
-  as ``F.linear`` at sizes on and off the buckets.
-- ``silu_and_mul``'s in-place product: the same bits as the out-of-place one.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from test_cpu_attention import run_cpu_attn
-from test_cpuk_bf16_linear import _layer, needs_bf16
 
 pytest.importorskip("hitchllm_attention_cpu")
 
 from hitchllm.attention.torch_backend import TorchAttentionImpl
-from hitchllm.layers.method import padded_rows
-from hitchllm.models import fused
 from hitchllm_attention_cpu.backend import SDPA_LENGTH_MULTIPLE, CpuAttentionImpl
 
 # bf16 K/V and queries: the reference reads the same rounded values, so what differs is the
@@ -93,39 +86,3 @@ def test_padding_never_reads_stale_cache_rows():
     assert torch.isfinite(cpu).all()
 
 
-def test_padded_rows_are_bounded_and_close():
-    assert [padded_rows(n) for n in (1, 17, 64)] == [1, 17, 64]
-    sizes = {padded_rows(n) for n in range(1, 8193)}
-    assert len(sizes) <= 64 + 16 * 7  # 16 per power of two above 64
-    for n in range(65, 8193):
-        p = padded_rows(n)
-        assert n <= p <= n * 17 / 16
-
-
-@needs_bf16
-@pytest.mark.parametrize("tokens", [65, 101, 257, 1001, 2049])
-def test_bucketed_bf16_linear_matches_f_linear(tokens):
-    torch.manual_seed(tokens)
-    layer, method = _layer(320, 192)
-    x = torch.randn(tokens, 192).bfloat16()
-    assert padded_rows(tokens) > tokens  # the padded path runs
-    with torch.inference_mode():
-        got = method.apply(layer, x)
-        got3 = method.apply(layer, x.view(1, tokens, 192))
-    want = F.linear(x, layer.weight)
-    assert got.shape == want.shape and got.is_contiguous()
-    assert torch.equal(got, want)
-    assert torch.equal(got3[0], want)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_and_mul_in_place_is_bit_identical(dtype):
-    gate_up = torch.randn(300, 2 * 96).to(dtype)
-    gate, up = gate_up.chunk(2, dim=-1)
-    with torch.inference_mode():
-        got = fused.silu_and_mul(gate_up)
-    assert torch.equal(got, F.silu(gate) * up)
-    with torch.enable_grad():  # the out-of-place product where autograd may need it
-        x = gate_up.float().requires_grad_()
-        fused.silu_and_mul(x).sum().backward()
-        assert x.grad is not None

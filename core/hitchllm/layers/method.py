@@ -165,44 +165,8 @@ class UnquantizedLinearMethod(LinearMethod):
                                                                  _PACK_BATCH_HINT)
                 layer.__dict__["_onednn_weight"] = packed
             if packed is not None:
-                return _bucketed_onednn_linear(x, packed, bias)
+                return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
         return F.linear(x, weight, bias)
-
-
-# Batches up to this many rows run at their own size; larger ones are padded (see below).
-_EXACT_ROWS = 64
-
-
-def padded_rows(rows: int) -> int:
-    """``rows`` rounded up to one of 16 sizes per power of two (at most 1/16 more) above
-    ``_EXACT_ROWS``; unchanged at or below it."""
-    if rows <= _EXACT_ROWS:
-        return rows
-    step = 1 << (rows.bit_length() - 5)
-    return -(-rows // step) * step
-
-
-def _bucketed_onednn_linear(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """The prepacked oneDNN linear, with the rows padded to ``padded_rows``.
-
-    oneDNN builds (JIT-compiles) a primitive for every new batch size the first time it sees
-    it, 0.3-7 ms for these shapes, and keeps 1,024 of them: prefill steps, whose token count
-    is new almost every step, paid that on every linear. Padding with zero rows bounds the
-    sizes to a few hundred (each row's products do not depend on the batch size, so the
-    result is the same bit for bit).
-    """
-    rows = x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1]
-    padded = padded_rows(rows)
-    if padded == rows:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    flat = x.reshape(rows, x.shape[-1])
-    grown = flat.new_empty(padded, flat.shape[1])
-    grown[:rows] = flat
-    grown[rows:] = 0
-    out = torch.ops.mkldnn._linear_pointwise(grown, packed, bias, "none", [], "")
-    return out[:rows].view(*x.shape[:-1], out.shape[-1])
 
 
 class QuantizationMethod(Protocol):
