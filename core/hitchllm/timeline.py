@@ -4,9 +4,10 @@ Off by default and free when off: every call site tests ``timeline.ACTIVE is not
 With ``HITCHLLM_STEP_TIMELINE=1`` in the environment (worker processes inherit it), the engine's
 process and every worker process keep a list of marks: what happened, for which step, when.
 
-- The driver (``LLMEngine``): ``schedule_start`` / ``schedule_end`` (with the plan's requests
-  and tokens), ``launched`` (plan handed to the executor), ``answer_read`` (its output is
-  back) and ``outputs_done`` (tokens folded into requests and outputs).
+- The driver (``LLMEngine``): ``schedule_start`` / ``schedule_end``, ``launched`` (plan handed
+  to the executor, with its requests, tokens and ``decodes``: rows of one token),
+  ``answer_read`` (its output is back) and ``outputs_done`` (tokens folded into requests and
+  outputs).
 - A runner (in a worker process, or in the engine's process without workers):
   ``plan_received`` (worker processes), ``launch_start`` / ``launch_end`` on the host, and on
   the device ``step_start`` / ``step_end`` (the step's first and last work), ``forward_start``

@@ -771,6 +771,7 @@ class LLMEngine:
         if timeline.ACTIVE is not None:
             timeline.ACTIVE.mark("launched", launched.index, requests=len(requests),
                                  tokens=plan.total_num_scheduled_tokens,
+                                 decodes=plan.num_scheduled_tokens.count(1),
                                  in_flight=self._num_in_flight() + (not plan.is_empty))
         return launched
 
