@@ -10,9 +10,14 @@ before them (the host was behind), and that group's output tok/s. Against it, th
 bytes every decode must read (its request's KV cache, the weights once per step) at the card's
 measured copy bandwidth.
 
-``--profile`` runs the workload once more under ``torch.profiler`` (prompts shifted by one token
-id so the prefix cache does not serve them) and adds the device time of the run's kernels by
-category (attention, GEMMs, fused elementwise, sampling, copies, other).
+``--warmup-run`` runs the workload once untimed first (prompts shifted by two token ids), so
+one-time costs (kernel compiles for shapes the start-up did not meet) stay out of the table.
+``--prefill-only`` gives every prompt one output token, so the run is its prompt steps alone
+(with ``--engine-arg enable_fusion=False`` it tells whether compiled elementwise kernels or
+the host pace those eager steps). ``--profile`` runs the workload once more under
+``torch.profiler`` (prompts shifted by one token id so the prefix cache does not serve them)
+and adds the device time of the run's kernels by category (attention, GEMMs, fused
+elementwise, sampling, copies, other).
 
     python benchmarks/run_breakdown.py --model /tmp/qwen3-0.6b [--profile] [--append-results]
     python benchmarks/run_breakdown.py --model M --engine-arg max_num_batched_tokens=16384
@@ -59,6 +64,11 @@ def nano_workload(num_prompts: int = 256) -> tuple[list[list[int]], list[int]]:
                for _ in range(256)]
     max_tokens = [random.randint(100, 1024) for _ in range(256)]
     return prompts[:num_prompts], max_tokens[:num_prompts]
+
+
+def shifted(prompts: list[list[int]], by: int) -> list[dict[str, list[int]]]:
+    """The prompts with every token id moved by ``by`` (so the prefix cache misses them)."""
+    return [{"prompt_token_ids": [(t + by) % 10000 for t in p]} for p in prompts]
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -153,13 +163,14 @@ def group_table(steps: list[Step], wall: float) -> list[str]:
 def floor_lines(llm: LLM, prompts: list[list[int]], max_tokens: list[int], wall: float,
                 produced: int, bandwidth: float) -> list[str]:
     """The bandwidth floor: every decode reads its KV cache, every step the weights."""
-    text = llm.engine.model_config.hf_config.get_text_config()
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    kv_per_token = 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * 2
+    mc = llm.engine.model_config
+    kv_per_token = (2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim
+                    * torch.finfo(llm.engine.kv_cache_dtype).bits // 8)
     # decode t of a request (t = 1 .. n - 1; the first token comes from the prompt's step)
     # reads p + t tokens of context
     kv_reads = sum(n * len(p) - len(p) + (n - 1) * n // 2 for p, n in zip(prompts, max_tokens))
-    weights = sum(p.numel() * p.element_size() for p in llm.engine.model_runner.model.parameters())
+    model = llm.engine.executor.worker.model
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
     steps = max(max_tokens)
     kv_s = kv_reads * kv_per_token / bandwidth
     w_s = weights * steps / bandwidth
@@ -202,6 +213,10 @@ def main() -> int:
     parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="an LLM(...) argument (a Python literal or a string); repeatable")
     parser.add_argument("--profile", action="store_true", help="add kernel categories")
+    parser.add_argument("--prefill-only", action="store_true",
+                        help="one output token per prompt: the prompt steps alone")
+    parser.add_argument("--warmup-run", action="store_true",
+                        help="run the workload once untimed first (compiles out of the table)")
     parser.add_argument("--label", default="Qwen3-0.6B shape")
     parser.add_argument("--append-results", action="store_true")
     parser.add_argument("--results", type=Path, default=HERE / "RESULTS.md")
@@ -220,6 +235,8 @@ def main() -> int:
         engine_args["device"] = args.device
     os.environ[timeline.ENV_VAR] = "1"
     prompts, max_tokens = nano_workload(args.num_prompts)
+    if args.prefill_only:
+        max_tokens = [1] * len(prompts)
     llm = LLM(args.model, **({"block_size": 16, "dtype": "bfloat16", "max_model_len": 4096}
                              | engine_args))
     device = llm.engine.device
@@ -227,6 +244,12 @@ def main() -> int:
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
     llm.generate(["Benchmark: "], SamplingParams(temperature=1.0, max_tokens=64), use_tqdm=False)
     sync()
+    first = ""
+    if args.warmup_run:  # the workload once untimed, so one-time compiles stay out of the table
+        start = time.perf_counter()
+        llm.generate(shifted(prompts, 2), params, use_tqdm=False)
+        sync()
+        first = f"; the untimed first pass took {time.perf_counter() - start:.2f} s"
     timeline.drain()
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -236,16 +259,15 @@ def main() -> int:
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     lines = [f"{produced:,} output tokens in {wall:.2f} s: {produced / wall:,.0f} output tok/s "
              f"({llm.engine.attention_backend.name}, {len(steps)} steps; engine arguments: "
-             f"{engine_args or 'defaults'})", ""]
+             f"{engine_args or 'defaults'}{first})", ""]
     lines += [*group_table(steps, wall), ""]
-    if device.type == "cuda":
+    if device.type == "cuda" and not args.prefill_only:
         lines += floor_lines(llm, prompts, max_tokens, wall, produced, copy_bandwidth(device))
     if args.profile and device.type == "cuda":
-        shifted = [{"prompt_token_ids": [(t + 1) % 10000 for t in p]} for p in prompts]
         activities = [torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=activities) as prof:
             start = time.perf_counter()
-            llm.generate(shifted, params, use_tqdm=False)
+            llm.generate(shifted(prompts, 1), params, use_tqdm=False)
             sync()
             prof_wall = time.perf_counter() - start
         lines += ["", *kernel_table(prof, prof_wall)]
@@ -256,7 +278,8 @@ def main() -> int:
 
         command = " ".join(["python benchmarks/run_breakdown.py --model MODEL_DIR",
                             *(f"--engine-arg {a}" for a in args.engine_arg),
-                            "--profile" * args.profile])
+                            "--prefill-only" * args.prefill_only,
+                            "--warmup-run" * args.warmup_run, "--profile" * args.profile])
         append_results(args.results, entry_heading(f"whole run, {args.label}", command.strip())
                        + lines, SECTION,
                        "Every step of one run by kind and batch: the device's time in the "

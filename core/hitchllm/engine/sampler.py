@@ -18,7 +18,8 @@ f. Random rows: divide by temperature; keep the top-k logits; of the renormalize
    token always stays); then drop tokens whose probability is below ``min_p`` times the largest;
    then sample from the renormalized distribution with the exponential race: the token is
    ``argmax(probs / q)`` with ``q ~ Exp(1)`` drawn independently per token, which picks token i
-   with probability ``probs[i]``. Rows that verify a speculative draft use the same
+   with probability ``probs[i]`` (computed as ``argmax(logits - log q)``, the same winner
+   without the softmax). Rows that verify a speculative draft use the same
    distribution and noise in ``rejection_sample`` instead (``hitchllm.engine.rejection_sampler``).
 
 Ties at a filter boundary are kept: every filter is a per-row logit threshold ("keep logits
@@ -249,12 +250,14 @@ class Sampler(torch.nn.Module):
             # +inf would make the softmax NaN, the largest finite value keeps the order.
             logits = logits.clamp_max(torch.finfo(logits.dtype).max)
         logits = apply_top_k_top_p_min_p(logits, metadata.top_k, metadata.top_p, metadata.min_p)
-        probs = logits.softmax(dim=-1)
         q = _exponential_noise(
-            probs.shape, probs.device, metadata.generators, metadata.default_generator
+            logits.shape, logits.device, metadata.generators, metadata.default_generator
         )
         # A zero draw would make 0/0 = NaN for a filtered-out token, and argmax picks NaN.
-        q = q.clamp_min(torch.finfo(q.dtype).tiny)
+        q.clamp_min_(torch.finfo(q.dtype).tiny)
         if metadata.drafts is not None:
-            return rejection_sample(probs, q, metadata.drafts)
-        return (probs / q).argmax(dim=-1)
+            return rejection_sample(logits.softmax(dim=-1), q, metadata.drafts)
+        # argmax(probs / q) without the softmax: probs is exp(logits - c) for one c per row,
+        # and log is increasing, so the race's winner is argmax(logits - log q) (two passes
+        # over [N, V] fewer; a filtered-out token keeps -inf).
+        return (logits - q.log_()).argmax(dim=-1)
