@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 from hitchllm.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from hitchllm.config import EngineConfig
 from hitchllm.engine.llm_engine import LLMEngine, Prompt
+from hitchllm.entrypoints.startup import collector_off, collector_skips_older_objects
 from hitchllm.outputs import RequestOutput
 from hitchllm.sampling_params import SamplingParams
 
@@ -37,7 +38,8 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         if model is not None:
             engine_args["model"] = model
-        self.engine = LLMEngine(EngineConfig(**engine_args))
+        with collector_off():
+            self.engine = LLMEngine(EngineConfig(**engine_args))
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -118,7 +120,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         with tqdm(total=len(prompts), desc="Beam search", unit="prompt",
-                  disable=not use_tqdm) as bar:
+                  disable=not use_tqdm) as bar, collector_skips_older_objects():
             return beam_search(self.engine, prompts, params, on_done=lambda: bar.update(1))
 
     def chat(
@@ -149,12 +151,13 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm)
         try:
-            while pending:
-                for out in self.engine.step():
-                    if out.finished and out.request_id in pending:
-                        results[out.request_id] = out
-                        pending.discard(out.request_id)
-                        bar.update(1)
+            with collector_skips_older_objects():
+                while pending:
+                    for out in self.engine.step():
+                        if out.finished and out.request_id in pending:
+                            results[out.request_id] = out
+                            pending.discard(out.request_id)
+                            bar.update(1)
         except BaseException:
             self.engine.abort_request(list(pending))
             raise

@@ -1,5 +1,6 @@
-"""Start-up of a command's process: the cyclic garbage collector paused while the engine is
-built, then everything alive frozen out of its reach.
+"""The cyclic garbage collector around the engine: paused while the engine is built, then
+everything alive frozen out of its reach (a command's or the server's process), or kept out of
+its reach while ``LLM`` runs a batch (``collector_off``, ``collector_skips_older_objects``).
 
 Importing torch and transformers and building an engine allocate millions of objects that
 live as long as the process. The collector, triggered by allocation counts, walked them again
@@ -47,3 +48,35 @@ def freeze_startup_objects(collect: bool = True) -> None:
         gc.collect()
     gc.freeze()
     gc.enable()
+
+
+@contextmanager
+def collector_off() -> Iterator[None]:
+    """Run the block with the cyclic collector off, then restore its state (``LLM`` builds
+    its engine so: the engine's new objects would otherwise trigger full walks of everything
+    alive, again and again)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@contextmanager
+def collector_skips_older_objects() -> Iterator[None]:
+    """Run the block with every object alive now frozen out of the collector's reach, and
+    thaw them afterwards, so a full collection during the block walks only what the block
+    made (``LLM.generate``: one took 0.13-0.16 s of a 2.5-4 s CPU run, walking torch,
+    transformers and the model). Freezing and thawing move whole lists (constant time).
+    Nothing happens when objects are frozen already (a command or the server froze its
+    start-up objects, or the caller its own): thawing at the end would thaw theirs too."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

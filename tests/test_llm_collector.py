@@ -1,0 +1,105 @@
+"""``LLM`` and the cyclic garbage collector: the engine is built with the collector off, and a
+batch runs with the objects alive before it frozen out of the collector's reach (so a full
+collection in the middle of ``generate`` walks only what the batch made), thawed afterwards;
+objects the caller (or a command) froze stay as they were; the collector's state comes back
+whatever happens."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from hitchllm import LLM, SamplingParams
+from hitchllm.beam_search import BeamSearchParams
+from hitchllm.engine import llm_engine
+from hitchllm.entrypoints.startup import collector_off, collector_skips_older_objects
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture
+def clean_collector():
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    yield
+    gc.unfreeze()
+    gc.enable()
+
+
+def test_engine_is_built_with_the_collector_off(monkeypatch, llama_path, clean_collector):
+    seen = []
+    real = llm_engine.LLMEngine.__init__
+
+    def spy(self, config):
+        seen.append(gc.isenabled())
+        real(self, config)
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "__init__", spy)
+    LLM(llama_path, dtype="float32")
+    assert seen == [False] and gc.isenabled()
+    with pytest.raises(ValueError):
+        LLM(llama_path, block_size=-1)
+    assert gc.isenabled()  # given back when the build fails too
+    gc.disable()
+    LLM(llama_path, dtype="float32")
+    assert not gc.isenabled()  # a caller's "off" stays off
+
+
+def test_generate_freezes_older_objects_for_the_batch_only(llama_path, clean_collector):
+    llm = LLM(llama_path, dtype="float32")
+    frozen_during = []
+    step = llm.engine.step
+
+    def counting_step():
+        frozen_during.append(gc.get_freeze_count())
+        return step()
+
+    llm.engine.step = counting_step
+    before = object()  # alive before the batch: frozen while it runs
+    outs = llm.generate(["def f", "x = 1"], PARAMS, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4]
+    assert frozen_during and min(frozen_during) > 1000
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
+    assert not gc.is_finalized(before)
+    # Thawed: a cycle made before the batch is collected again afterwards.
+    cycle: list = []
+    cycle.append(cycle)
+    del cycle
+    assert gc.collect() >= 1
+
+
+def test_generate_leaves_a_callers_frozen_objects_alone(llama_path, clean_collector):
+    llm = LLM(llama_path, dtype="float32")
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    # Not thawed by the batch (and nothing more frozen); a few frozen objects may be freed by
+    # their reference counts meanwhile.
+    llm.generate(["def f"], PARAMS, use_tqdm=False)
+    assert frozen - 1000 < gc.get_freeze_count() <= frozen
+    llm.beam_search([{"prompt_token_ids": [5, 17, 42]}],
+                    BeamSearchParams(beam_width=2, max_tokens=3))
+    assert frozen - 1000 < gc.get_freeze_count() <= frozen
+
+
+def test_a_failing_batch_thaws_and_frees_its_requests(llama_path, clean_collector):
+    llm = LLM(llama_path, dtype="float32")
+
+    def failing_step():
+        raise RuntimeError("boom")
+
+    llm.engine.step = failing_step
+    with pytest.raises(RuntimeError, match="boom"):
+        llm.generate(["def f"], PARAMS, use_tqdm=False)
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_context_managers_restore_the_collector(clean_collector):
+    with pytest.raises(KeyError), collector_off():
+        assert not gc.isenabled()
+        raise KeyError
+    assert gc.isenabled()
+    with pytest.raises(KeyError), collector_skips_older_objects():
+        assert gc.get_freeze_count() > 0
+        raise KeyError
+    assert gc.get_freeze_count() == 0
