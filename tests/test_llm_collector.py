@@ -7,6 +7,7 @@ whatever happens."""
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 
@@ -26,23 +27,37 @@ def clean_collector():
     gc.enable()
 
 
+class _Held:
+    """Stands for an engine that is garbage in a reference cycle (and holds device memory)."""
+
+
+def _garbage_cycle() -> weakref.ref:
+    held = _Held()
+    held.me = held
+    return weakref.ref(held)
+
+
 def test_engine_is_built_with_the_collector_off(monkeypatch, llama_path, clean_collector):
     seen = []
     real = llm_engine.LLMEngine.__init__
 
     def spy(self, config):
-        seen.append(gc.isenabled())
+        seen.append((gc.isenabled(), garbage() is None))
         real(self, config)
 
     monkeypatch.setattr(llm_engine.LLMEngine, "__init__", spy)
+    garbage = _garbage_cycle()
     LLM(llama_path, dtype="float32")
-    assert seen == [False] and gc.isenabled()
+    # Off while building, and the earlier garbage was collected before.
+    assert seen == [(False, True)] and gc.isenabled()
     with pytest.raises(ValueError):
         LLM(llama_path, block_size=-1)
     assert gc.isenabled()  # given back when the build fails too
     gc.disable()
+    garbage = _garbage_cycle()
     LLM(llama_path, dtype="float32")
-    assert not gc.isenabled()  # a caller's "off" stays off
+    # A caller's "off" stays off, and nothing was collected behind its back.
+    assert not gc.isenabled() and seen[-1] == (False, False)
 
 
 def test_generate_freezes_older_objects_for_the_batch_only(llama_path, clean_collector):

@@ -53,9 +53,13 @@ def freeze_startup_objects(collect: bool = True) -> None:
 @contextmanager
 def collector_off() -> Iterator[None]:
     """Run the block with the cyclic collector off, then restore its state (``LLM`` builds
-    its engine so: the engine's new objects would otherwise trigger full walks of everything
-    alive, again and again)."""
+    its engine so: the engine's new objects would otherwise trigger collections again and
+    again). If the collector was on, the garbage is collected first: an earlier engine that
+    is garbage in a reference cycle still holds its device memory (its KV cache), which the
+    new engine's memory profile would count as its own."""
     enabled = gc.isenabled()
+    if enabled:
+        gc.collect()
     gc.disable()
     try:
         yield
