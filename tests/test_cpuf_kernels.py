@@ -243,3 +243,33 @@ def test_engine_with_kernels_tracks_engine_without(llama_path, dtype):
     else:
         same = sum(a == b for x, y in zip(tokens[True], tokens[False]) for a, b in zip(x, y))
         assert same >= 0.9 * sum(len(x) for x in tokens[False])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_cache_write_equals_torch_backend(dtype):
+    """CPU_ATTN's C cache write puts every row where TORCH's puts it (strided value rows as
+    sliced from qkv, padding slots skipped), and refuses a slot outside the cache."""
+    from hitchllm.attention import AttentionSpec, TorchAttentionBackend
+    from hitchllm_attention_cpu import CpuAttentionBackend
+
+    heads, kv_heads, d, block, blocks = 6, 2, 32, 16, 9
+    spec = AttentionSpec.for_device(torch.device("cpu"), dtype=dtype, kv_cache_dtype=dtype,
+                                    head_size=d, num_heads=heads, num_kv_heads=kv_heads,
+                                    block_size=block)
+    shape = CpuAttentionBackend.get_kv_cache_shape(blocks, block, kv_heads, d)  # and a sink
+    ours, torchs = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+    tokens = 37
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d).to(dtype)
+    _, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    k, v = k.contiguous().view(-1, kv_heads, d), v.view(-1, kv_heads, d)
+    slots = torch.randperm(blocks * block)[:tokens]
+    slots[[3, 20]] = -1  # padding
+    args = (heads, d, d**-0.5, kv_heads, spec)
+    CpuAttentionBackend.get_impl_cls()(*args).write_kv_cache(ours, k, v, slots)
+    TorchAttentionBackend.get_impl_cls()(*args).write_kv_cache(torchs, k, v, slots)
+    real = slice(0, blocks)  # TORCH sends padding to the sink block after them
+    assert torch.equal(ours[:, :, real], torchs[:, :, real])
+    assert ours[:, :, real].count_nonzero() == 2 * (tokens - 2) * kv_heads * d
+    with pytest.raises(IndexError, match="outside the KV cache"):
+        CpuAttentionBackend.get_impl_cls()(*args).write_kv_cache(
+            ours, k, v, torch.full((tokens,), shape[2] * block))

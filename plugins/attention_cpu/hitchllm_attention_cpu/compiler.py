@@ -59,6 +59,7 @@ FUSED_SYMBOLS = {
     "hitch_silu_and_mul": [_P, _I, _P, _I, _I, _INT, _INT],
     "hitch_rotary": [_P, _P, _I, _I, _P, _P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _P, _F, _INT,
                      _INT],
+    "hitch_write_kv": [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I],
 }
 
 

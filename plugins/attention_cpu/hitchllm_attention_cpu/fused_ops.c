@@ -276,3 +276,34 @@ int hitch_rotary(const int64_t *positions, const void *q, int64_t q_stride, int6
     }
     return 0;
 }
+
+/* The KV-cache write: key and value rows [tokens, kv_heads, d] (row strides in elements, each
+   row's heads contiguous) copied to their slots of the head-major caches [kv_heads, slots, d]
+   (slots = cache blocks x block size); a negative slot (padding) is skipped. esize: bytes per
+   element (any dtype: the copy is byte for byte). Returns 0, or 1 when a slot is outside the
+   cache (nothing is written then). */
+int hitch_write_kv(const void *key, int64_t key_stride, const void *value, int64_t value_stride,
+                   void *k_cache, void *v_cache, const int64_t *slots, int64_t tokens,
+                   int64_t kv_heads, int64_t d, int64_t cache_slots, int64_t esize) {
+    for (int64_t t = 0; t < tokens; ++t) {
+        if (slots[t] >= cache_slots) {
+            return 1;
+        }
+    }
+    const size_t bytes = (size_t)(d * esize);
+    for (int64_t t = 0; t < tokens; ++t) {
+        const int64_t s = slots[t];
+        if (s < 0) {
+            continue;
+        }
+        const char *kr = (const char *)key + t * key_stride * esize;
+        const char *vr = (const char *)value + t * value_stride * esize;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+            memcpy((char *)k_cache + (h * cache_slots + s) * (int64_t)bytes, kr + h * bytes,
+                   bytes);
+            memcpy((char *)v_cache + (h * cache_slots + s) * (int64_t)bytes, vr + h * bytes,
+                   bytes);
+        }
+    }
+    return 0;
+}
