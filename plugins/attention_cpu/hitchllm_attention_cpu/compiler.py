@@ -1,6 +1,7 @@
 """Builds the plugin's C code with the machine's C compiler on first use, and loads it with
-ctypes: the attention kernel (paged_attention.c, ``load_kernel``) and the fused elementwise
-functions (fused_ops.c, ``load_fused_ops``), one shared library each.
+ctypes: the attention kernel (paged_attention.c, ``load_kernel``), the fused elementwise
+functions (fused_ops.c, ``load_fused_ops``) and the AMX linear kernel (amx_linear.c,
+``load_amx_linear``), one shared library each.
 
 Each shared library is cached under ``$HITCHLLM_CACHE_DIR/cpu_attn`` (default
 ``~/.cache/hitchllm/cpu_attn``, or a per-user folder in the system's temporary directory when
@@ -61,6 +62,12 @@ FUSED_SYMBOLS = {
                      _INT],
     "hitch_write_kv": [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I],
 }
+AMX_SOURCE = Path(__file__).with_name("amx_linear.c")
+# amx_linear.c's functions and their arguments (each returns an int status).
+AMX_SYMBOLS = {
+    "hitch_amx_init": [],
+    "hitch_amx_linear": [_P, _I, _I, _I, _P, _I, _P, _INT],
+}
 
 
 class KernelBuildError(RuntimeError):
@@ -82,7 +89,7 @@ class CompiledKernel:
 
 @dataclass(frozen=True)
 class CompiledFusedOps:
-    """The loaded fused functions of fused_ops.c, by name (``FUSED_SYMBOLS``)."""
+    """A loaded library's functions by name (``FUSED_SYMBOLS``, ``AMX_SYMBOLS``)."""
 
     path: Path
     flags: tuple[str, ...]
@@ -131,6 +138,15 @@ def load_fused_ops() -> CompiledFusedOps:
     path, flags, library = _library(FUSED_SOURCE, FUSED_FLAGS)
     return CompiledFusedOps(path, flags, {name: _function(library, name, argtypes)
                                           for name, argtypes in FUSED_SYMBOLS.items()})
+
+
+@functools.cache
+def load_amx_linear() -> CompiledFusedOps:
+    """The AMX linear kernel (amx_linear.c), built on the first call of this process if the
+    cache has no copy; its functions return -1 where the compiler did not target AMX."""
+    path, flags, library = _library(AMX_SOURCE, FUSED_FLAGS)
+    return CompiledFusedOps(path, flags, {name: _function(library, name, argtypes)
+                                          for name, argtypes in AMX_SYMBOLS.items()})
 
 
 def _library(source_path: Path, base_flags: list[str]) -> tuple[Path, tuple[str, ...],
