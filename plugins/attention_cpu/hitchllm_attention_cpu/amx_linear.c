@@ -44,6 +44,7 @@ int hitch_amx_init(void) {
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1;
 }
 
+#if !defined(__AVX512BF16__)
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
@@ -53,6 +54,7 @@ static inline uint16_t f32_to_bf16(float f) {
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
 }
+#endif
 
 /* Tiles: 0-3 accumulators (rows 0-15 / 16-31 x output block j / j + 1), 4-5 the two row
    halves of x, 6-7 the weight tiles of blocks j and j + 1. */
@@ -110,9 +112,17 @@ static void blocks(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
         const int64_t cols = pair ? 32 : 16;
         for (int64_t r = 0; r < m; ++r) {
             uint16_t *o = out + r * n + j * 16;
+#if defined(__AVX512BF16__)
+            /* VCVTNEPS2BF16: round to nearest even, as f32_to_bf16 (and oneDNN). */
+            for (int64_t c = 0; c < cols; c += 16) {
+                const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(&acc[r][c]));
+                _mm256_storeu_si256((__m256i *)(o + c), (__m256i)h);
+            }
+#else
             for (int64_t c = 0; c < cols; ++c) {
                 o[c] = f32_to_bf16(acc[r][c]);
             }
+#endif
         }
     }
     _tile_release();

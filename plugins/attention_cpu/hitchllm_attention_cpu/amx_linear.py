@@ -14,6 +14,8 @@ runs as before. The copy costs the layer's weight memory once more.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -49,23 +51,25 @@ class AmxLinearMethod(UnquantizedLinearMethod):
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        weight = layer.weight
-        if (bias is None and x.dtype == torch.bfloat16 and x.dim() == 2
-                and 1 <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1
-                and x.shape[1] == weight.shape[1] and x.device.type == "cpu"
-                and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-                and takes(weight)):
-            packed = layer.__dict__.get("_amx_weight")
-            if packed is None:
-                packed = layer.__dict__["_amx_weight"] = pack_weight(weight)
-            n, k = weight.shape
+        # Runs for every linear of every decode step: checks only what can vary per call.
+        packed = layer.__dict__.get("_amx_weight")
+        if packed is None and takes(layer.weight):
+            packed = layer.__dict__["_amx_weight"] = pack_weight(layer.weight)
+        if (packed is not None and bias is None and x.dtype == torch.bfloat16
+                and x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1
+                and x.shape[1] == packed.shape[1] * 32 and not x.is_cuda
+                and not (torch.is_grad_enabled() and (x.requires_grad
+                                                      or layer.weight.requires_grad))):
+            n = packed.shape[0] * 16
             out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
-            status = load_amx_linear().functions["hitch_amx_linear"](
-                x.data_ptr(), x.stride(0), x.shape[0], k, packed.data_ptr(), n, out.data_ptr(),
-                torch.get_num_threads())
-            if status == 0:
+            if _kernel()(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], packed.data_ptr(),
+                         n, out.data_ptr(), torch.get_num_threads()) == 0:
                 return out
         return super().apply(layer, x, bias)
+
+
+def _kernel() -> Callable[..., int]:
+    return load_amx_linear().functions["hitch_amx_linear"]
 
 
 def available() -> bool:
