@@ -1,7 +1,7 @@
 """attention_cpu's AMX kernel for bfloat16 linears of 1-32 rows (amx_linear.c): equal to
 ``F.linear`` bit for bit on every row count and on odd numbers of 16-output blocks (the threaded
 path too), against float64 within bfloat16 rounding, the fallbacks (more rows, a bias, float32),
-repacking after a reload, and an engine's greedy tokens with and without it."""
+dropping it after a reload, and an engine's greedy tokens with and without it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from hitchllm import LLM, SamplingParams
-from hitchllm.layers import ReplicatedLinear, UnquantizedLinearMethod
+from hitchllm.layers import ReplicatedLinear
+from hitchllm.layers.method import CPU_BF16_KERNEL, onednn_bf16_available
 from hitchllm.models import fused
 from hitchllm_attention_cpu import amx_linear
 
@@ -26,7 +27,7 @@ def amx_layer(n, k, bias=False):
         if bias:
             layer.bias.normal_()
     assert amx_linear.install(layer) == 1
-    assert isinstance(layer.linear_method, amx_linear.AmxLinearMethod)
+    assert isinstance(layer.__dict__[CPU_BF16_KERNEL], amx_linear.AmxKernel)
     return layer
 
 
@@ -51,31 +52,33 @@ def test_equals_f_linear_and_float64(rows, n, k, threads):
 
 def test_other_calls_keep_onednn_or_f_linear(monkeypatch):
     calls = []
-    parent = UnquantizedLinearMethod.apply
+    kernel_call = amx_linear.AmxKernel.__call__
 
-    def spy(self, layer, x, bias=None):
-        calls.append(x.shape[0])
-        return parent(self, layer, x, bias)
+    def spy(self, x):
+        out = kernel_call(self, x)
+        calls.append((x.shape[0], out is not None))
+        return out
 
-    monkeypatch.setattr(UnquantizedLinearMethod, "apply", spy)
+    monkeypatch.setattr(amx_linear.AmxKernel, "__call__", spy)
     layer = amx_layer(64, 64)
     with torch.inference_mode():
-        layer(torch.randn(32, 64).bfloat16())  # the kernel
-        assert calls == []
+        layer(torch.randn(32, 64).bfloat16())
         x = torch.randn(33, 64).bfloat16()
-        assert torch.equal(layer(x), F.linear(x, layer.weight))  # too many rows
-    assert calls == [33]
+        assert torch.equal(layer(x), F.linear(x, layer.weight))  # too many rows: oneDNN
+    assert calls == [(32, True), (33, False)]
+    if onednn_bf16_available():
+        assert "_onednn_weight" in layer.__dict__
     biased = amx_layer(64, 64, bias=True)
     with torch.inference_mode():
         x = torch.randn(4, 64).bfloat16()
         assert torch.equal(biased(x), F.linear(x, biased.weight, biased.bias))
-    assert calls == [33, 4]
+    assert len(calls) == 2  # a bias never reaches the kernel
     assert not amx_linear.takes(torch.randn(64, 64))  # float32
     assert not amx_linear.takes(torch.randn(40, 64).bfloat16())  # outputs not a multiple of 16
     assert amx_linear.install(ReplicatedLinear(48, 64).to(torch.bfloat16)) == 0  # inputs
 
 
-def test_reload_repacks():
+def test_reload_drops_the_kernel():
     layer = amx_layer(32, 64)
     x = torch.randn(3, 64).bfloat16()
     with torch.inference_mode():
@@ -83,6 +86,7 @@ def test_reload_repacks():
     with torch.no_grad():
         layer.weight.mul_(-1)
     layer.linear_method.process_weights_after_loading(layer)
+    assert CPU_BF16_KERNEL not in layer.__dict__  # no stale packed copy
     with torch.inference_mode():
         assert torch.equal(layer(x), -first)
 
@@ -96,7 +100,7 @@ def test_engine_tokens_identical_with_and_without(llama_path, monkeypatch):
             monkeypatch.setattr(amx_linear, "available", lambda: False)
         llm = LLM(llama_path, dtype="bfloat16", attention_backend="CPU_ATTN")
         layers = [m for m in llm.engine.executor.worker.model.modules()
-                  if isinstance(getattr(m, "linear_method", None), amx_linear.AmxLinearMethod)]
+                  if CPU_BF16_KERNEL in m.__dict__]
         assert bool(layers) == amx
         outs[amx] = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                  use_tqdm=False)

@@ -7,19 +7,21 @@ prepacked once into the tile layout. Its products and float32 sums are TDPBF16PS
 same order as oneDNN's, so the result equals ``F.linear``'s bit for bit (tests compare).
 
 ``install(model)`` (called by the plugin once a bfloat16 CPU model is loaded, with fusion on)
-gives every unquantized linear layer whose shape the kernel takes (inputs a multiple of 32,
-outputs of 16) an ``AmxLinearMethod``; everything else (more rows, a bias, float32, autograd)
-runs as before. The copy costs the layer's weight memory once more.
+attaches an ``AmxKernel`` to every unquantized linear layer (and LM head) whose shape the kernel
+takes (inputs a multiple of 32, outputs of 16), where ``UnquantizedLinearMethod`` tries it
+first (``hitchllm.layers.method.CPU_BF16_KERNEL``); the layer's linear method stays what it
+was. Other calls (more rows, a bias, float32, autograd) run as before, and so does a layer
+whose weights are reloaded (``process_weights_after_loading`` drops the kernel). The copy costs
+the layer's weight memory once more.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from hitchllm.layers import LinearBase, ParallelLMHead, UnquantizedLinearMethod
+from hitchllm.layers.method import CPU_BF16_KERNEL
 from hitchllm_attention_cpu.compiler import load_amx_linear
 
 #: The most rows (tokens) a call takes; more go to oneDNN.
@@ -39,37 +41,25 @@ def takes(weight: torch.Tensor) -> bool:
             and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0)
 
 
-class AmxLinearMethod(UnquantizedLinearMethod):
-    """``UnquantizedLinearMethod`` whose calls of 1-``MAX_ROWS`` rows without a bias run the
-    AMX kernel on a prepacked copy of the weight (made on first use, dropped by
-    ``process_weights_after_loading`` so a reload repacks)."""
+class AmxKernel:
+    """``x @ W.T`` for ``x`` of 1-``MAX_ROWS`` bfloat16 rows (row stride free, columns
+    contiguous), on a copy of ``W`` packed at construction; None for any other ``x``."""
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        super().process_weights_after_loading(layer)
-        layer.__dict__.pop("_amx_weight", None)
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.packed = pack_weight(weight)
+        self.n, self.k = weight.shape
+        self.function = load_amx_linear().functions["hitch_amx_linear"]
 
-    def apply(
-        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
         # Runs for every linear of every decode step: checks only what can vary per call.
-        packed = layer.__dict__.get("_amx_weight")
-        if packed is None and takes(layer.weight):
-            packed = layer.__dict__["_amx_weight"] = pack_weight(layer.weight)
-        if (packed is not None and bias is None and x.dtype == torch.bfloat16
-                and x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1
-                and x.shape[1] == packed.shape[1] * 32 and not x.is_cuda
-                and not (torch.is_grad_enabled() and (x.requires_grad
-                                                      or layer.weight.requires_grad))):
-            n = packed.shape[0] * 16
-            out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
-            if _kernel()(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], packed.data_ptr(),
-                         n, out.data_ptr(), torch.get_num_threads()) == 0:
-                return out
-        return super().apply(layer, x, bias)
-
-
-def _kernel() -> Callable[..., int]:
-    return load_amx_linear().functions["hitch_amx_linear"]
+        if (x.dtype != torch.bfloat16 or x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS
+                or x.stride(1) != 1 or x.shape[1] != self.k or x.requires_grad):
+            return None
+        out = torch.empty(x.shape[0], self.n, dtype=torch.bfloat16)
+        if self.function(x.data_ptr(), x.stride(0), x.shape[0], self.k, self.packed.data_ptr(),
+                         self.n, out.data_ptr(), torch.get_num_threads()) != 0:
+            return None
+        return out
 
 
 def available() -> bool:
@@ -78,16 +68,16 @@ def available() -> bool:
 
 
 def install(model: nn.Module) -> int:
-    """Give every unquantized bfloat16 linear layer (and LM head) of ``model`` the kernel takes an
-    ``AmxLinearMethod`` (weights packed now); returns how many layers. Nothing when the kernel
-    is unavailable (no AMX, or a compiler that does not target it)."""
+    """Attach an ``AmxKernel`` to every unquantized bfloat16 linear layer (and LM head) of
+    ``model`` the kernel takes; returns how many layers. Nothing when the kernel is unavailable
+    (no AMX, or a compiler that does not target it)."""
     if not available():
         return 0
     count = 0
     for module in model.modules():
-        if (isinstance(module, (LinearBase, ParallelLMHead)) and type(module.linear_method)
-                is UnquantizedLinearMethod and takes(module.weight)):
-            module.linear_method = AmxLinearMethod()
-            module.__dict__["_amx_weight"] = pack_weight(module.weight)
+        if (isinstance(module, (LinearBase, ParallelLMHead))
+                and type(module.linear_method) is UnquantizedLinearMethod
+                and takes(module.weight)):
+            module.__dict__[CPU_BF16_KERNEL] = AmxKernel(module.weight)
             count += 1
     return count
