@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from hitchllm import LLM, SamplingParams
-from hitchllm.layers import ReplicatedLinear
-from hitchllm.layers.method import CPU_BF16_KERNEL, onednn_bf16_available
+from hitchllm.layers import CPU_BF16_KERNEL, ReplicatedLinear
+from hitchllm.layers.method import onednn_bf16_available
 from hitchllm.models import fused
 from hitchllm_attention_cpu import amx_linear
 

@@ -9,7 +9,7 @@ same order as oneDNN's, so the result equals ``F.linear``'s bit for bit (tests c
 ``install(model)`` (called by the plugin once a bfloat16 CPU model is loaded, with fusion on)
 attaches an ``AmxKernel`` to every unquantized linear layer (and LM head) whose shape the kernel
 takes (inputs a multiple of 32, outputs of 16), where ``UnquantizedLinearMethod`` tries it
-first (``hitchllm.layers.method.CPU_BF16_KERNEL``); the layer's linear method stays what it
+first (``hitchllm.layers.CPU_BF16_KERNEL``); the layer's linear method stays what it
 was. Other calls (more rows, a bias, float32, autograd) run as before, and so does a layer
 whose weights are reloaded (``process_weights_after_loading`` drops the kernel). The copy costs
 the layer's weight memory once more.
@@ -20,8 +20,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hitchllm.layers import LinearBase, ParallelLMHead, UnquantizedLinearMethod
-from hitchllm.layers.method import CPU_BF16_KERNEL
+from hitchllm.layers import (
+    CPU_BF16_KERNEL,
+    LinearBase,
+    ParallelLMHead,
+    UnquantizedLinearMethod,
+)
 from hitchllm_attention_cpu.compiler import load_amx_linear
 
 #: The most rows (tokens) a call takes; more go to oneDNN.
