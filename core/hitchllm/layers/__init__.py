@@ -12,6 +12,7 @@ from hitchllm.layers.linear import (
 )
 from hitchllm.layers.loading import load_named_weights, process_weights_after_loading
 from hitchllm.layers.method import (
+    CPU_BF16_KERNEL,
     LinearMethod,
     QuantizationMethod,
     UnquantizedLinearMethod,
@@ -30,6 +31,7 @@ from hitchllm.layers.moe import (
 from hitchllm.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 
 __all__ = [
+    "CPU_BF16_KERNEL",
     "ColumnParallelLinear",
     "FusedMoE",
     "LinearBase",

@@ -119,6 +119,9 @@ def onednn_bf16_available() -> bool:
 
 # The batch size the prepacked layout is chosen for (any batch runs on it).
 _PACK_BATCH_HINT = 32
+#: Key of ``layer.__dict__`` under which a plugin may attach a CPU kernel for the layer's
+#: bias-free bfloat16 calls (see ``UnquantizedLinearMethod``).
+CPU_BF16_KERNEL = "_cpu_bf16_kernel"
 
 
 class UnquantizedLinearMethod(LinearMethod):
@@ -131,10 +134,16 @@ class UnquantizedLinearMethod(LinearMethod):
     every call, which made a decode step's small GEMMs (1-32 tokens) take 45-70 us instead of
     35-55 us and bf16 slower than float32 below about 8 tokens. The products are the same
     oneDNN kernels', bit for bit. The copy costs the layer's weight memory once more.
+
+    Before that, a kernel a plugin attached as ``layer.__dict__[CPU_BF16_KERNEL]`` is tried for
+    bias-free calls: a callable taking ``x`` and returning ``x @ W.T`` equal to ``F.linear``'s
+    bit for bit, or None to pass (attention_cpu's AMX kernel for 1-32 rows). Both the prepacked
+    copy and the kernel are dropped by ``process_weights_after_loading``.
     """
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         layer.__dict__.pop("_onednn_weight", None)
+        layer.__dict__.pop(CPU_BF16_KERNEL, None)
 
     def create_weights(
         self,
@@ -159,6 +168,11 @@ class UnquantizedLinearMethod(LinearMethod):
         # x.is_cuda first: on a GPU the check ends there, once per linear per step.
         if not x.is_cuda and weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 \
                 and weight.device.type == "cpu" and not torch.is_grad_enabled():
+            kernel = layer.__dict__.get(CPU_BF16_KERNEL)
+            if kernel is not None and bias is None:
+                out = kernel(x)
+                if out is not None:
+                    return out
             packed = layer.__dict__.get("_onednn_weight")
             if packed is None and onednn_bf16_available():
                 packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(),

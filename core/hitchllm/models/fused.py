@@ -1,12 +1,15 @@
 """The model's elementwise work (norms, residual adds, rotary, the gated activation) as plain
-PyTorch functions that are compiled into fused kernels on CUDA.
+PyTorch functions that are compiled into fused kernels on CUDA, or replaced by a plugin's
+kernels on other devices.
 
 Written op by op, RMSNorm alone is seven kernels and rotary a dozen; at decode batch sizes
 each kernel is a few microseconds of fixed cost, which for a 28-layer model adds up to more
 than the attention itself. On CUDA each function below is compiled once with
 ``torch.compile`` (dynamic batch size; the kernels are shared by every layer) and runs as one
 or two fused kernels. Elsewhere, or with fusion turned off (``EngineConfig.enable_fusion``),
-the same code runs eagerly. Each function keeps the reference implementation's roundings
+the same code runs eagerly, unless a plugin has registered a kernel for the function on the
+argument's device type (``register_device_kernels``: attention_cpu supplies C versions for
+the CPU). Each function keeps the reference implementation's roundings
 (residual sums and normalized values are rounded to the model dtype where Hugging Face
 transformers rounds them).
 """
@@ -25,12 +28,44 @@ logger = logging.getLogger(__name__)
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 _fusion_enabled = True
+# (device type, function name) -> a plugin's kernel (see register_device_kernels).
+_device_kernels: dict[tuple[str, str], Callable[..., Any]] = {}
 
 
 def set_fusion(enabled: bool) -> None:
-    """Turn compilation of the functions below on or off (for every model in the process)."""
+    """Turn compilation of the functions below, and plugins' device kernels for them, on or
+    off (for every model in the process)."""
     global _fusion_enabled
     _fusion_enabled = enabled
+
+
+def register_device_kernels(device_type: str, kernels: dict[str, Callable[..., Any]]) -> None:
+    """Run ``kernels[name]`` in place of the function ``name`` below (``rms_norm``,
+    ``add_rms_norm``, ``rotary``, ``qk_norm_rotary``, ``silu_and_mul``) when its first
+    argument is a tensor on ``device_type`` and fusion is on (``set_fusion``), for every model
+    in the process; registering a name again replaces its kernel.
+
+    A kernel takes the function's arguments and returns its result, or None for arguments it
+    does not handle (a dtype, a layout), which then run as written here. It must return what
+    the function computes with the same roundings, and where it cannot match PyTorch's result
+    bit for bit (a reduction in another order) it should handle only dtypes where that is
+    tolerated (float32 greedy outputs are compared bit for bit with transformers). Not for
+    "cuda", where the functions are compiled."""
+    if device_type == "cuda":
+        raise ValueError("the fused functions are compiled with torch.compile on CUDA; "
+                         "register device kernels for another device type")
+    unknown = set(kernels) - set(FUNCTIONS)
+    if unknown:
+        raise ValueError(f"no fused function named {', '.join(sorted(unknown))}; the "
+                         f"functions are {', '.join(FUNCTIONS)}")
+    for name, kernel in kernels.items():
+        _device_kernels[(device_type, name)] = kernel
+
+
+def unregister_device_kernels(device_type: str) -> None:
+    """Forget every kernel registered for ``device_type``."""
+    for key in [k for k in _device_kernels if k[0] == device_type]:
+        del _device_kernels[key]
 
 
 def _recompile_limit_error() -> type[Exception]:
@@ -62,6 +97,12 @@ def _fused(fn: _F, applies: Callable[[torch.Tensor], bool]) -> _F:
     def run(*args: Any) -> Any:
         nonlocal compiled
         if not (_fusion_enabled and applies(args[0])):
+            if _fusion_enabled and _device_kernels:
+                kernel = _device_kernels.get((args[0].device.type, fn.__name__))
+                if kernel is not None:
+                    out = kernel(*args)
+                    if out is not None:
+                        return out
             return fn(*args)
         if eager_kinds and _signature(args) in eager_kinds:
             return fn(*args)
@@ -152,3 +193,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up = [gate | up]`` along the last dimension."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+#: The functions a plugin can supply device kernels for (``register_device_kernels``).
+FUNCTIONS = ("rms_norm", "add_rms_norm", "rotary", "qk_norm_rotary", "silu_and_mul")

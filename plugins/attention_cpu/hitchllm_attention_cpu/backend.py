@@ -35,7 +35,7 @@ from hitchllm.attention import (
     kernel_reasons,
 )
 from hitchllm.attention.torch_backend import PrefillRequest, TorchAttentionImpl
-from hitchllm_attention_cpu.compiler import KernelBuildError, load_kernel
+from hitchllm_attention_cpu.compiler import KernelBuildError, load_fused_ops, load_kernel
 
 #: Requests with more new tokens than this attend through SDPA (blocked matmuls win there).
 KERNEL_MAX_QUERY_LEN = 16
@@ -138,6 +138,31 @@ class CpuAttentionImpl(TorchAttentionImpl):
                              metadata.prompts, out)
         return out.to(query.dtype)
 
+    def write_kv_cache(
+        self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """TORCH's cache write (same layout, same values) as one C copy of each row to its
+        slot (fused_ops.c's ``hitch_write_kv``) where the cache holds the model dtype: TORCH's
+        takes six operators per layer (the padding slots redirected, two transposes, two
+        ``index_copy_``). fp8 caches (quantized on the way) keep TORCH's."""
+        n = len(slot_mapping)
+        if (kv_cache.dtype != key.dtype or not kv_cache.is_contiguous() or key.dim() != 3
+                or not _heads_contiguous(key) or not _heads_contiguous(value)
+                or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()
+                or key.shape[0] < n or value.shape[0] < n):
+            super().write_kv_cache(kv_cache, key, value, slot_mapping)
+            return
+        key_cache, value_cache = kv_cache.unbind(0)
+        cache_slots = key_cache.shape[1] * key_cache.shape[2]
+        status = load_fused_ops().functions["hitch_write_kv"](
+            key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+            key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(), n,
+            self.num_kv_heads, self.head_size, cache_slots, key.element_size())
+        if status != 0:
+            raise IndexError(f"CPU_ATTN: a slot in the slot mapping is outside the KV cache "
+                             f"({cache_slots} slots)")
+
     def attend_request(
         self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
         block_table: torch.Tensor, context_len: int,
@@ -200,6 +225,11 @@ class CpuAttentionImpl(TorchAttentionImpl):
             torch.get_num_threads())
         if status != 0:
             raise MemoryError("CPU_ATTN: a kernel thread could not allocate its scratch buffer")
+
+
+def _heads_contiguous(x: torch.Tensor) -> bool:
+    """[tokens, heads, d] with each token's heads contiguous (any token stride)."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
 def _pointer(t: torch.Tensor | None) -> int | None:

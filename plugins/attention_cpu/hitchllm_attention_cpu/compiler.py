@@ -1,6 +1,9 @@
-"""Builds the C kernel with the machine's C compiler on first use, and loads it with ctypes.
+"""Builds the plugin's C code with the machine's C compiler on first use, and loads it with
+ctypes: the attention kernel (paged_attention.c, ``load_kernel``), the fused elementwise
+functions (fused_ops.c, ``load_fused_ops``) and the AMX linear kernel (amx_linear.c,
+``load_amx_linear``), one shared library each.
 
-The shared library is cached under ``$HITCHLLM_CACHE_DIR/cpu_attn`` (default
+Each shared library is cached under ``$HITCHLLM_CACHE_DIR/cpu_attn`` (default
 ``~/.cache/hitchllm/cpu_attn``, or a per-user folder in the system's temporary directory when
 that cannot be written), named by a hash of the source, the compiler, its flags and the CPU, so
 a changed kernel, compiler or machine builds afresh while every later process loads the
@@ -8,10 +11,12 @@ existing file in milliseconds; a cached file that no longer loads is rebuilt. Bu
 temporary file and rename it into place, so processes building at once never load a
 half-written library.
 
-Flags: ``-O3`` with the floating-point relaxations that let reductions vectorize, but not
-``-ffast-math``, which on some compilers links startup code that flushes denormals for the whole
-process. ``-march=native`` and ``-fopenmp`` are tried first and dropped where the compiler
-rejects them (Apple's clang has no OpenMP: the kernel then runs on one thread).
+Flags: the attention kernel ``-O3`` with the floating-point relaxations that let reductions
+vectorize, but not ``-ffast-math``, which on some compilers links startup code that flushes
+denormals for the whole process; the fused functions, whose results must round as PyTorch's do,
+``-O3`` with no contraction into fused multiply-adds and no reassociation. ``-march=native`` and
+``-fopenmp`` are tried first and dropped where the compiler rejects them (Apple's clang has no
+OpenMP: the code then runs on one thread).
 """
 
 from __future__ import annotations
@@ -40,11 +45,29 @@ _FLAGS = [
     "-fassociative-math", "-fno-signed-zeros", "-freciprocal-math", "-ffinite-math-only",
     "-ffp-contract=fast",
 ]
+FUSED_SOURCE = Path(__file__).with_name("fused_ops.c")
+# IEEE arithmetic as written (each product and sum rounded on its own), as PyTorch computes.
+FUSED_FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
+               "-ffp-contract=off"]
 # Tried in order; the first set the compiler accepts is used.
 _OPTIONAL_FLAGS = (["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], [])
-_P, _I = ctypes.c_void_p, ctypes.c_int64
+_P, _I, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _ARGTYPES = [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_double,
              ctypes.c_double, _I, ctypes.c_int, _P, _P, ctypes.c_int]
+# fused_ops.c's functions and their arguments (each returns an int status).
+FUSED_SYMBOLS = {
+    "hitch_rms_norm": [_P, _I, _P, _I, _P, _P, _P, _I, _I, _F, _INT, _INT],
+    "hitch_silu_and_mul": [_P, _I, _P, _I, _I, _INT, _INT],
+    "hitch_rotary": [_P, _P, _I, _I, _P, _P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _P, _F, _INT,
+                     _INT],
+    "hitch_write_kv": [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I],
+}
+AMX_SOURCE = Path(__file__).with_name("amx_linear.c")
+# amx_linear.c's functions and their arguments (each returns an int status).
+AMX_SYMBOLS = {
+    "hitch_amx_init": [],
+    "hitch_amx_linear": [_P, _I, _I, _I, _P, _I, _P, _INT],
+}
 
 
 class KernelBuildError(RuntimeError):
@@ -62,6 +85,15 @@ class CompiledKernel:
     @property
     def openmp(self) -> bool:
         return "-fopenmp" in self.flags
+
+
+@dataclass(frozen=True)
+class CompiledFusedOps:
+    """A loaded library's functions by name (``FUSED_SYMBOLS``, ``AMX_SYMBOLS``)."""
+
+    path: Path
+    flags: tuple[str, ...]
+    functions: dict[str, ctypes._CFuncPtr]
 
 
 def cache_dir() -> Path:
@@ -93,38 +125,65 @@ def find_compiler() -> list[str]:
 
 @functools.cache
 def load_kernel() -> CompiledKernel:
-    """The kernel, built on the first call of this process if the cache has no copy."""
+    """The attention kernel, built on the first call of this process if the cache has no
+    copy."""
+    path, flags, library = _library(SOURCE, _FLAGS)
+    return CompiledKernel(path, flags, _function(library, SYMBOL, _ARGTYPES))
+
+
+@functools.cache
+def load_fused_ops() -> CompiledFusedOps:
+    """The fused elementwise functions, built on the first call of this process if the cache
+    has no copy."""
+    path, flags, library = _library(FUSED_SOURCE, FUSED_FLAGS)
+    return CompiledFusedOps(path, flags, {name: _function(library, name, argtypes)
+                                          for name, argtypes in FUSED_SYMBOLS.items()})
+
+
+@functools.cache
+def load_amx_linear() -> CompiledFusedOps:
+    """The AMX linear kernel (amx_linear.c), built on the first call of this process if the
+    cache has no copy; its functions return -1 where the compiler did not target AMX."""
+    path, flags, library = _library(AMX_SOURCE, FUSED_FLAGS)
+    return CompiledFusedOps(path, flags, {name: _function(library, name, argtypes)
+                                          for name, argtypes in AMX_SYMBOLS.items()})
+
+
+def _library(source_path: Path, base_flags: list[str]) -> tuple[Path, tuple[str, ...],
+                                                                 ctypes.CDLL]:
+    """``source_path`` built with ``base_flags`` and the first optional flags the compiler
+    takes (a cached build first): its path, flags and the loaded library."""
     compiler = find_compiler()
     version = _compiler_version(compiler)
-    source = SOURCE.read_bytes()
+    source = source_path.read_bytes()
     folder = _writable_cache_dir()
-    builds = [(flags, folder / f"paged_attention-{_digest(source, compiler, version, flags)}"
-               f"{_suffix()}") for flags in ((*_FLAGS, *extra) for extra in _OPTIONAL_FLAGS)]
+    builds = [(flags, folder / f"{source_path.stem}-{_digest(source, compiler, version, flags)}"
+               f"{_suffix()}") for flags in ((*base_flags, *extra) for extra in _OPTIONAL_FLAGS)]
     # A build cached earlier wins, so a compiler that rejects the first flag sets (no OpenMP)
     # is not asked again by every process.
     for flags, path in builds:
         if path.exists():
             try:
-                return _loaded(compiler, flags, path, _load(path))
+                return path, flags, _loaded(compiler, source_path, flags, _load(path))
             except KernelBuildError:
                 path.unlink(missing_ok=True)  # damaged or from another machine: build afresh
     errors = []
     for flags, path in builds:
-        function, error = _build(compiler, flags, path)
-        if function is not None:
-            return _loaded(compiler, flags, path, function)
-        errors.append(f"{' '.join(flags[len(_FLAGS):]) or 'plain'}: {error}")
-    raise KernelBuildError(f"{' '.join(compiler)} could not build {SOURCE.name}: "
+        library, error = _build(compiler, source_path, flags, path)
+        if library is not None:
+            return path, flags, _loaded(compiler, source_path, flags, library)
+        errors.append(f"{' '.join(flags[len(base_flags):]) or 'plain'}: {error}")
+    raise KernelBuildError(f"{' '.join(compiler)} could not build {source_path.name}: "
                            + " | ".join(errors))
 
 
 def _loaded(
-    compiler: list[str], flags: tuple[str, ...], path: Path, function: ctypes._CFuncPtr
-) -> CompiledKernel:
+    compiler: list[str], source: Path, flags: tuple[str, ...], library: ctypes.CDLL
+) -> ctypes.CDLL:
     if "-fopenmp" not in flags:
-        logger.warning("%s has no OpenMP: the CPU_ATTN kernel runs on one thread (a compiler "
-                       "with -fopenmp, e.g. gcc, uses them all)", compiler[0])
-    return CompiledKernel(path, flags, function)
+        logger.warning("%s has no OpenMP: %s runs on one thread (a compiler with -fopenmp, "
+                       "e.g. gcc, uses them all)", compiler[0], source.name)
+    return library
 
 
 def _writable_cache_dir() -> Path:
@@ -149,10 +208,10 @@ def _writable_cache_dir() -> Path:
 
 
 def _build(
-    compiler: list[str], flags: tuple[str, ...], path: Path
-) -> tuple[ctypes._CFuncPtr | None, str]:
+    compiler: list[str], source: Path, flags: tuple[str, ...], path: Path
+) -> tuple[ctypes.CDLL | None, str]:
     """Compile to a temporary file, load it, and only then move it to ``path`` (so another
-    process never loads a half-written file): the kernel, or None and the first error."""
+    process never loads a half-written file): the library, or None and the first error."""
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=path.suffix)
     except OSError as err:
@@ -160,7 +219,7 @@ def _build(
     os.close(fd)
     try:
         try:
-            done = subprocess.run([*compiler, *flags, str(SOURCE), "-o", tmp, "-lm"],
+            done = subprocess.run([*compiler, *flags, str(source), "-o", tmp, "-lm"],
                                   capture_output=True, text=True, timeout=300)
         except (OSError, subprocess.TimeoutExpired) as err:
             return None, f"the compiler did not run to completion ({err})"
@@ -168,11 +227,11 @@ def _build(
             return None, _first_error(done.stderr)
         os.chmod(tmp, 0o755)  # mkstemp made it private; the cache may be shared
         try:
-            function = _load(Path(tmp))
+            library = _load(Path(tmp))
         except KernelBuildError as err:
             return None, str(err)
         os.replace(tmp, path)  # the loaded mapping survives the rename
-        return function, ""
+        return library, ""
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -187,13 +246,19 @@ def _first_error(stderr: str) -> str:
     return (errors or lines or ["failed with no message"])[0]
 
 
-def _load(path: Path) -> ctypes._CFuncPtr:
+def _load(path: Path) -> ctypes.CDLL:
     try:
-        library = ctypes.CDLL(str(path))
+        return ctypes.CDLL(str(path))
     except OSError as err:
         raise KernelBuildError(f"cannot load {path} ({err})") from err
-    function = getattr(library, SYMBOL)
-    function.argtypes = _ARGTYPES
+
+
+def _function(library: ctypes.CDLL, name: str, argtypes: list[type]) -> ctypes._CFuncPtr:
+    try:
+        function = getattr(library, name)
+    except AttributeError as err:
+        raise KernelBuildError(f"{library._name} has no function {name}") from err
+    function.argtypes = argtypes
     function.restype = ctypes.c_int
     return function
 

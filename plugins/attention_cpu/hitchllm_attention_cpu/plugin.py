@@ -1,9 +1,20 @@
-"""Entry point of the plugin: registers CPU_ATTN with hitchllm."""
+"""Entry point of the plugin: registers CPU_ATTN with hitchllm, and the CPU kernels of the
+fused elementwise functions (``hitchllm_attention_cpu.fused``) once a CPU model is loaded."""
 
 from __future__ import annotations
 
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
 from hitchllm import hookimpl
 from hitchllm.attention import AttentionBackend
+
+if TYPE_CHECKING:
+    from hitchllm import EngineConfig
+
+logger = logging.getLogger(__name__)
 
 
 @hookimpl
@@ -12,3 +23,33 @@ def hitchllm_attention_backends() -> list[type[AttentionBackend]]:
     from hitchllm_attention_cpu.backend import CpuAttentionBackend
 
     return [CpuAttentionBackend]
+
+
+@hookimpl
+def hitchllm_model_loaded(model: torch.nn.Module, engine_config: EngineConfig) -> None:
+    """On a CPU model with fusion on (``enable_fusion``), register the C versions of the
+    fused functions, and in bfloat16 on a CPU with AMX give the linear layers the AMX kernel
+    for decode-sized calls (each built on first use; where one cannot be built, PyTorch's path
+    stays, with a warning)."""
+    if not engine_config.enable_fusion:
+        return
+    first = next(iter(model.parameters()), None)
+    if first is None or first.device.type != "cpu":
+        return
+    from hitchllm_attention_cpu import amx_linear, fused
+    from hitchllm_attention_cpu.compiler import KernelBuildError
+
+    try:
+        fused.install()
+    except KernelBuildError as err:
+        logger.warning("the CPU's fused elementwise kernels are unavailable (%s); the model's "
+                       "norms, rotary and SiLU run in PyTorch", err)
+    if first.dtype == torch.bfloat16:
+        try:
+            layers = amx_linear.install(model)
+        except KernelBuildError as err:
+            logger.warning("the AMX linear kernel is unavailable (%s); bfloat16 linears run "
+                           "through oneDNN", err)
+        else:
+            logger.info("AMX kernel for %d bfloat16 linear layers of 1-%d rows", layers,
+                        amx_linear.MAX_ROWS)

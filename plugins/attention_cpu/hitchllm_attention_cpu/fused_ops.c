@@ -1,0 +1,309 @@
+/* A decoder layer's elementwise work on the CPU, one pass per function, for
+   hitchllm.models.fused (registered by attention_cpu's fused.py).
+
+   Written op by op in PyTorch, RMSNorm is seven passes over its tensor (and seven operator
+   dispatches), rotary a dozen and SiLU-and-mul three; at prompt sizes every pass streams a
+   tensor larger than the L2, at decode sizes every dispatch is a fixed cost. Here each function
+   reads its inputs once and writes its outputs once, rows shared among OpenMP threads when
+   there are enough of them.
+
+   Every rounding PyTorch's eager code makes is made here too, in the same order: each
+   elementwise operation is computed in float32 and, for bfloat16 tensors, rounded to bfloat16
+   (round to nearest even) where PyTorch stores a bfloat16 intermediate. Built without
+   floating-point contraction or reassociation (compiler.py's FUSED_FLAGS), so rotary (products
+   and sums only) equals PyTorch's bit for bit in float32 and bfloat16. Two things PyTorch does
+   its own way remain: the order of the sum of squares in RMSNorm and the exponential in SiLU
+   (ours: a polynomial, relative error ~1e-7), so those two can differ from PyTorch in the last
+   float32 bit and, rarely, by one bfloat16 unit after rounding (the Python side uses them for
+   bfloat16 only).
+
+   dtype: 0 float32, 1 bfloat16, for every tensor argument but positions (int64) and the
+   rotary tables (float32 [max_position, head_size / 2]). Rows may be strided (stride in
+   elements); each row's elements are contiguous. Outputs are contiguous. */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { F32 = 0, BF16 = 1 };
+
+/* Every helper is inlined into a body specialized for one dtype (the public functions below
+   call their body with a constant dtype), so no loop tests the dtype per element. */
+#define INLINE __attribute__((always_inline))
+
+/* Rows times width below which a call stays on the calling thread (waking OpenMP's threads
+   costs more than the work). */
+#define PARALLEL_MIN_WORK 32768
+
+static inline INLINE float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Round to nearest even, NaN kept quiet: c10::BFloat16's conversion. */
+static inline INLINE uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        return 0x7fc0;
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Element i of a row in either dtype, as float32. */
+static inline INLINE float load(const void *row, int64_t i, int dtype) {
+    return dtype == BF16 ? bf16_to_f32(((const uint16_t *)row)[i]) : ((const float *)row)[i];
+}
+
+static inline INLINE void store(void *row, int64_t i, float v, int dtype) {
+    if (dtype == BF16) {
+        ((uint16_t *)row)[i] = f32_to_bf16(v);
+    } else {
+        ((float *)row)[i] = v;
+    }
+}
+
+/* v as the tensor dtype stores it (bfloat16: rounded), back in float32. */
+static inline INLINE float rounded(float v, int dtype) {
+    return dtype == BF16 ? bf16_to_f32(f32_to_bf16(v)) : v;
+}
+
+static inline INLINE const char *row_at(const void *base, int64_t row, int64_t stride, int dtype) {
+    return (const char *)base + row * stride * (dtype == BF16 ? 2 : 4);
+}
+
+/* 1 / sqrt(mean(x^2) + eps) over n float32 values, squares summed in 16 interleaved partial
+   sums (which the compiler vectorizes without reassociating anything). */
+static inline INLINE float inverse_rms(const float *x, int64_t n, float eps) {
+    float part[16] = {0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        for (int j = 0; j < 16; ++j) {
+            part[j] += x[i + j] * x[i + j];
+        }
+    }
+    for (; i < n; ++i) {
+        part[i % 16] += x[i] * x[i];
+    }
+    float sum = 0.0f;
+    for (int j = 0; j < 16; ++j) {
+        sum += part[j];
+    }
+    return 1.0f / sqrtf(sum / (float)n + eps);
+}
+
+/* buf[i] = round(weight[i] * round(buf[i] / rms(buf))) over one row of n values: what
+   PyTorch's RMSNorm stores, as float32. */
+static inline INLINE void normalize_in_place(float *buf, int64_t n, const void *weight, float eps,
+                                      int dtype) {
+    const float r = inverse_rms(buf, n, eps);
+    for (int64_t i = 0; i < n; ++i) {
+        buf[i] = rounded(load(weight, i, dtype) * rounded(buf[i] * r, dtype), dtype);
+    }
+}
+
+/* RMSNorm over rows of width values: out = rms_norm(x) or, with residual,
+   sum_out = x + residual and out = rms_norm(sum_out). Returns 0. */
+static inline INLINE void rms_norm_rows(const void *x, int64_t x_stride, const void *residual,
+                                        int64_t res_stride, void *sum_out, const void *weight,
+                                        void *out, int64_t rows, int64_t width, float eps,
+                                        int dtype, int num_threads) {
+    const int64_t esize = dtype == BF16 ? 2 : 4;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && rows > 1 && \
+                                                  rows * width >= PARALLEL_MIN_WORK)
+    {
+        float buf[width];
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < rows; ++t) {
+            const char *xr = row_at(x, t, x_stride, dtype);
+            if (residual != NULL) {
+                const char *rr = row_at(residual, t, res_stride, dtype);
+                char *sr = (char *)sum_out + t * width * esize;
+                for (int64_t i = 0; i < width; ++i) {
+                    const float s = rounded(load(xr, i, dtype) + load(rr, i, dtype), dtype);
+                    buf[i] = s;
+                    store(sr, i, s, dtype);
+                }
+            } else {
+                for (int64_t i = 0; i < width; ++i) {
+                    buf[i] = load(xr, i, dtype);
+                }
+            }
+            normalize_in_place(buf, width, weight, eps, dtype);
+            char *o = (char *)out + t * width * esize;
+            for (int64_t i = 0; i < width; ++i) {
+                store(o, i, buf[i], dtype);
+            }
+        }
+    }
+}
+
+int hitch_rms_norm(const void *x, int64_t x_stride, const void *residual, int64_t res_stride,
+                   void *sum_out, const void *weight, void *out, int64_t rows, int64_t width,
+                   float eps, int dtype, int num_threads) {
+    if (dtype == BF16) {
+        rms_norm_rows(x, x_stride, residual, res_stride, sum_out, weight, out, rows, width,
+                      eps, BF16, num_threads);
+    } else {
+        rms_norm_rows(x, x_stride, residual, res_stride, sum_out, weight, out, rows, width,
+                      eps, F32, num_threads);
+    }
+    return 0;
+}
+
+/* silu(x) = x / (1 + exp(-x)), exp by Cephes' polynomial on a reduced argument: e = exp(-|x|)
+   (never overflows), then x / (1 + e) for x >= 0 and x * e / (1 + e) below. */
+static inline INLINE float silu(float x) {
+    float a = x < 0.0f ? x : -x;  /* -|x| */
+    a = a < -87.0f ? -87.0f : a;
+    const float n = floorf(a * 1.44269504088896341f + 0.5f);
+    float r = a - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    const float e = p * scale;
+    return (x >= 0.0f ? x : x * e) / (1.0f + e);
+}
+
+/* out[t, i] = round(silu(x[t, i])) * x[t, width + i] for rows of 2 * width inputs. */
+int hitch_silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t rows, int64_t width,
+                       int dtype, int num_threads) {
+    const int64_t esize = dtype == BF16 ? 2 : 4;
+#pragma omp parallel for num_threads(num_threads) schedule(static) \
+    if (num_threads > 1 && rows > 1 && rows * width >= PARALLEL_MIN_WORK)
+    for (int64_t t = 0; t < rows; ++t) {
+        const char *xr = row_at(x, t, x_stride, dtype);
+        char *o = (char *)out + t * width * esize;
+        if (dtype == BF16) {
+            const uint16_t *g = (const uint16_t *)xr, *u = g + width;
+            for (int64_t i = 0; i < width; ++i) {
+                const float s = bf16_to_f32(f32_to_bf16(silu(bf16_to_f32(g[i]))));
+                ((uint16_t *)o)[i] = f32_to_bf16(s * bf16_to_f32(u[i]));
+            }
+        } else {
+            const float *g = (const float *)xr, *u = g + width;
+            for (int64_t i = 0; i < width; ++i) {
+                ((float *)o)[i] = silu(g[i]) * u[i];
+            }
+        }
+    }
+    return 0;
+}
+
+/* Rotate-half rotary of one head in place in buf (d values, float32 holding dtype values):
+   [x1 * c - x2 * s, x2 * c + x1 * s] with c, s rounded to the dtype and every product and sum
+   rounded as PyTorch rounds it. */
+static inline INLINE void rotate_head(float *buf, int64_t half, const float *cos_row,
+                               const float *sin_row, int dtype) {
+    for (int64_t i = 0; i < half; ++i) {
+        const float c = rounded(cos_row[i], dtype), s = rounded(sin_row[i], dtype);
+        const float x1 = buf[i], x2 = buf[half + i];
+        const float a = rounded(rounded(x1 * c, dtype) - rounded(x2 * s, dtype), dtype);
+        const float b = rounded(rounded(x2 * c, dtype) + rounded(x1 * s, dtype), dtype);
+        buf[i] = a;
+        buf[half + i] = b;
+    }
+}
+
+/* One [rows, heads, d] tensor: (optionally) each head RMS-normalized with weight (d values),
+   then rotated at positions. Rows' heads are contiguous (head stride d). */
+static inline INLINE void rotary_tensor(const int64_t *positions, const void *x, int64_t x_stride, void *out,
+                          int64_t rows, int64_t heads, int64_t d, const float *cos,
+                          const float *sin, const void *weight, float eps, int dtype,
+                          int num_threads) {
+    const int64_t esize = dtype == BF16 ? 2 : 4, half = d / 2;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && rows > 1 && \
+                                                  rows * heads * d >= PARALLEL_MIN_WORK)
+    {
+        float buf[d];
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < rows; ++t) {
+            const char *xr = row_at(x, t, x_stride, dtype);
+            char *o = (char *)out + t * heads * d * esize;
+            const float *c = cos + positions[t] * half, *s = sin + positions[t] * half;
+            for (int64_t h = 0; h < heads; ++h) {
+                const char *xh = xr + h * d * esize;
+                for (int64_t i = 0; i < d; ++i) {
+                    buf[i] = load(xh, i, dtype);
+                }
+                if (weight != NULL) {
+                    normalize_in_place(buf, d, weight, eps, dtype);
+                }
+                rotate_head(buf, half, c, s, dtype);
+                for (int64_t i = 0; i < d; ++i) {
+                    store(o + h * d * esize, i, buf[i], dtype);
+                }
+            }
+        }
+    }
+}
+
+/* Rotary embedding of q [rows, q_heads, d] and k [rows, k_heads, d] into q_out and k_out, each
+   head first RMS-normalized with q_weight / k_weight (d values) when they are not NULL
+   (Qwen3). cos and sin are [max_position, d / 2] float32. Returns 0, or 1 when a position is
+   outside [0, max_position) (nothing is written then). */
+int hitch_rotary(const int64_t *positions, const void *q, int64_t q_stride, int64_t q_heads,
+                 void *q_out, const void *k, int64_t k_stride, int64_t k_heads, void *k_out,
+                 int64_t rows, int64_t d, const float *cos, const float *sin,
+                 int64_t max_position, const void *q_weight, const void *k_weight, float eps,
+                 int dtype, int num_threads) {
+    for (int64_t t = 0; t < rows; ++t) {
+        if (positions[t] < 0 || positions[t] >= max_position) {
+            return 1;
+        }
+    }
+    if (dtype == BF16) {
+        rotary_tensor(positions, q, q_stride, q_out, rows, q_heads, d, cos, sin, q_weight, eps,
+                      BF16, num_threads);
+        rotary_tensor(positions, k, k_stride, k_out, rows, k_heads, d, cos, sin, k_weight, eps,
+                      BF16, num_threads);
+    } else {
+        rotary_tensor(positions, q, q_stride, q_out, rows, q_heads, d, cos, sin, q_weight, eps,
+                      F32, num_threads);
+        rotary_tensor(positions, k, k_stride, k_out, rows, k_heads, d, cos, sin, k_weight, eps,
+                      F32, num_threads);
+    }
+    return 0;
+}
+
+/* The KV-cache write: key and value rows [tokens, kv_heads, d] (row strides in elements, each
+   row's heads contiguous) copied to their slots of the head-major caches [kv_heads, slots, d]
+   (slots = cache blocks x block size); a negative slot (padding) is skipped. esize: bytes per
+   element (any dtype: the copy is byte for byte). Returns 0, or 1 when a slot is outside the
+   cache (nothing is written then). */
+int hitch_write_kv(const void *key, int64_t key_stride, const void *value, int64_t value_stride,
+                   void *k_cache, void *v_cache, const int64_t *slots, int64_t tokens,
+                   int64_t kv_heads, int64_t d, int64_t cache_slots, int64_t esize) {
+    for (int64_t t = 0; t < tokens; ++t) {
+        if (slots[t] >= cache_slots) {
+            return 1;
+        }
+    }
+    const size_t bytes = (size_t)(d * esize);
+    for (int64_t t = 0; t < tokens; ++t) {
+        const int64_t s = slots[t];
+        if (s < 0) {
+            continue;
+        }
+        const char *kr = (const char *)key + t * key_stride * esize;
+        const char *vr = (const char *)value + t * value_stride * esize;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+            memcpy((char *)k_cache + (h * cache_slots + s) * (int64_t)bytes, kr + h * bytes,
+                   bytes);
+            memcpy((char *)v_cache + (h * cache_slots + s) * (int64_t)bytes, vr + h * bytes,
+                   bytes);
+        }
+    }
+    return 0;
+}
