@@ -20,6 +20,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_numerics.h"
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -44,17 +46,6 @@ int hitch_amx_init(void) {
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1;
 }
 
-#if !defined(__AVX512BF16__)
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) {
-        return 0x7fc0;
-    }
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-#endif
 
 /* Tiles: 0-3 accumulators (rows 0-15 / 16-31 x output block j / j + 1), 4-5 the two row
    halves of x, 6-7 the weight tiles of blocks j and j + 1. */

@@ -63,6 +63,8 @@ FUSED_SYMBOLS = {
     "hitch_write_kv": [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I],
 }
 AMX_SOURCE = Path(__file__).with_name("amx_linear.c")
+# Included by every source above.
+NUMERICS_HEADER = Path(__file__).with_name("cpu_numerics.h")
 # amx_linear.c's functions and their arguments (each returns an int status).
 AMX_SYMBOLS = {
     "hitch_amx_init": [],
@@ -155,7 +157,8 @@ def _library(source_path: Path, base_flags: list[str]) -> tuple[Path, tuple[str,
     takes (a cached build first): its path, flags and the loaded library."""
     compiler = find_compiler()
     version = _compiler_version(compiler)
-    source = source_path.read_bytes()
+    # The shared header is part of every build's name: a change there rebuilds them all.
+    source = source_path.read_bytes() + b"\0" + NUMERICS_HEADER.read_bytes()
     folder = _writable_cache_dir()
     builds = [(flags, folder / f"{source_path.stem}-{_digest(source, compiler, version, flags)}"
                f"{_suffix()}") for flags in ((*base_flags, *extra) for extra in _OPTIONAL_FLAGS)]

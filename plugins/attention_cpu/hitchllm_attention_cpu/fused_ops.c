@@ -25,6 +25,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_numerics.h"
+
 enum { F32 = 0, BF16 = 1 };
 
 /* Every helper is inlined into a body specialized for one dtype (the public functions below
@@ -40,17 +42,6 @@ static inline INLINE float bf16_to_f32(uint16_t h) {
     float f;
     memcpy(&f, &u, 4);
     return f;
-}
-
-/* Round to nearest even, NaN kept quiet: c10::BFloat16's conversion. */
-static inline INLINE uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) {
-        return 0x7fc0;
-    }
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
 }
 
 /* Element i of a row in either dtype, as float32. */
@@ -159,17 +150,9 @@ int hitch_rms_norm(const void *x, int64_t x_stride, const void *residual, int64_
 static inline INLINE float silu(float x) {
     float a = x < 0.0f ? x : -x;  /* -|x| */
     a = a < -87.0f ? -87.0f : a;
-    const float n = floorf(a * 1.44269504088896341f + 0.5f);
-    float r = a - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
+    int32_t n;
+    const float p = exp_reduced(a, &n);
+    const int32_t bits = (n + 127) << 23;
     float scale;
     memcpy(&scale, &bits, 4);
     const float e = p * scale;

@@ -25,6 +25,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "cpu_numerics.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -52,17 +54,8 @@ enum { KV_F32 = 0, KV_BF16 = 1, KV_FP8 = 2 };
    error stays under 6e-8 everywhere. */
 static inline float exp_nonpositive(float x) {
     x = x < -87.0f ? -87.0f : x;
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t bits, e = (int32_t)n;
+    int32_t bits, e;
+    float p = exp_reduced(x, &e);
     memcpy(&bits, &p, 4);
     bits += (int32_t)((uint32_t)e << 23); /* e < 0: shift as unsigned, no UB */
     memcpy(&p, &bits, 4);
