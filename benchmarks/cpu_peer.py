@@ -184,7 +184,8 @@ def report(records: list[dict], configs: list[str], args: argparse.Namespace,
         for i, arg in enumerate(argv):  # the entry says --note and --results itself
             if arg not in ("--note", "--results") and (i == 0 or argv[i - 1] not in
                                                        ("--note", "--results")):
-                kept.append(arg)
+                # The peer folder is this machine's: the entry names it PEER_DIR.
+                kept.append("PEER_DIR" if i and argv[i - 1] == "--peer-dir" else arg)
         command = " ".join(["python benchmarks/cpu_peer.py", *kept])
         note = f"CPU: {cpu}." + (f" {args.note}" if args.note else "")
         append_results(args.results, entry_heading("cpu_peer", command, note) + rows,

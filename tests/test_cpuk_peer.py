@@ -70,3 +70,22 @@ def test_a_missing_harness_or_environment_is_a_clear_error(tmp_path):
                           "--peer-dir", str(tmp_path / "nowhere")],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode != 0 and "venv-hitch" in run.stderr and "README.md" in run.stderr
+
+
+def test_the_entry_names_the_peer_folder_peer_dir(tmp_path):
+    """A RESULTS.md entry is read on other machines: the peer folder given on this one is
+    written as PEER_DIR, the rest of the command as given."""
+    import json
+
+    jsonl = tmp_path / "run.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in (
+        _record("hitchllm", 1, 1200.0), _record("vllm", 1, 1000.0))) + "\n")
+    results = tmp_path / "RESULTS.md"
+    run = subprocess.run([sys.executable, str(SCRIPT), "--peer-dir", str(tmp_path / "peer"),
+                          "--from-jsonl", str(jsonl), "--configs", "hitchllm,vllm",
+                          "--results", str(results)],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    text = results.read_text()
+    assert "--peer-dir PEER_DIR --from-jsonl" in text and str(tmp_path / "peer") not in text
+    assert "**1.20x**" in text
