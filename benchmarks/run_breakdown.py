@@ -118,7 +118,7 @@ def read_steps(marks: list[timeline.Mark]) -> list[Step]:
     for m in marks:
         if m.what in ("step_start", "step_end", "forward_start", "forward_end"):
             at[m.what][m.step] = m.t
-    graphs = {m.step for m in marks if m.what == "graph_replay"}
+    graphs = {m.step for m in marks if m.what in ("graph_replay", "pieces_replay")}
     device_steps = sorted(at["step_start"])
     if len(device_steps) != len(launched):
         raise RuntimeError(f"{len(launched)} plans but {len(device_steps)} device steps")

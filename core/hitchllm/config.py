@@ -184,6 +184,10 @@ class EngineConfig(BaseModel):
     cpu_threads: int | None = Field(None, ge=1)
     # Decode batch sizes to capture (default: 1, 2, 4, 8, 16, ... up to max_num_seqs).
     cuda_graph_sizes: list[int] | None = None
+    # CUDA: steps with prompt chunks replay graphs of everything but attention, captured
+    # piece by piece at token counts 16, 32, ... up to the step budget (attention runs
+    # eagerly between the pieces); off, they run eagerly. Single-process engines only.
+    piecewise_cuda_graphs: bool = True
     # Tensor parallelism: every layer's weights, attention heads and KV cache split over this
     # many ranks, one worker process each (one GPU each on CUDA, gloo processes on the CPU).
     tensor_parallel_size: int = Field(1, ge=1)

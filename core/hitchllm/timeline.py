@@ -203,7 +203,7 @@ def summarize_stage(who: str, marks: list[Mark], wall_s: float) -> StageSummary:
         idle_ms=1e3 * _mean(idle),
         launch_ms=1e3 * _mean(list(launch.values())),
         answer_lag_ms=1e3 * _mean(lags),
-        graph_steps=sum(m.what == "graph_replay" for m in marks),
+        graph_steps=sum(m.what in ("graph_replay", "pieces_replay") for m in marks),
     )
 
 

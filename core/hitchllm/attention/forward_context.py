@@ -9,7 +9,7 @@ finishing) must not see each other's batch.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -17,9 +17,15 @@ from typing import Any
 
 @dataclass
 class ForwardContext:
-    """What attention layers need during one forward pass."""
+    """What attention layers need during one forward pass.
+
+    ``split_attention``, when set, is called by every core ``Attention`` layer in place of its
+    attention, as ``split_attention(layer, q, k, v) -> output``: the engine's piecewise CUDA
+    graphs end a captured piece there (``hitchllm.engine.piecewise_graphs``), and run a padded
+    step's attention on its real rows (``layer.attend``)."""
 
     attn_metadata: Any
+    split_attention: Callable[..., Any] | None = None
 
 
 class _ThreadContext(threading.local):
@@ -30,11 +36,13 @@ _state = _ThreadContext()
 
 
 @contextmanager
-def set_forward_context(attn_metadata: Any) -> Iterator[ForwardContext]:
-    """Make ``attn_metadata`` visible to every ``Attention`` layer of the enclosed forward
-    (on this thread)."""
+def set_forward_context(
+    attn_metadata: Any, split_attention: Callable[..., Any] | None = None
+) -> Iterator[ForwardContext]:
+    """Make ``attn_metadata`` (and ``split_attention``, see ``ForwardContext``) visible to every
+    ``Attention`` layer of the enclosed forward (on this thread)."""
     previous = _state.current
-    _state.current = ForwardContext(attn_metadata)
+    _state.current = ForwardContext(attn_metadata, split_attention)
     try:
         yield _state.current
     finally:

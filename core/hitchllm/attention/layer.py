@@ -114,6 +114,14 @@ class Attention(nn.Module):
             impl.k_scale, impl.v_scale = self.k_scale, self.v_scale
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        split = get_forward_context().split_attention
+        if split is not None:
+            return split(self, q, k, v)
+        return self.attend(q, k, v)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Write the new K/V into the cache and attend, with the forward context's metadata
+        (what ``forward`` does unless the context splits attention off)."""
         if self.impl is None or self.kv_cache is None:
             raise RuntimeError(
                 f"attention layer {self.layer_index} has no backend bound; build the model "

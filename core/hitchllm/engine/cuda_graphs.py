@@ -26,6 +26,7 @@ import bisect
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -61,16 +62,18 @@ class DecodeGraphs:
         return sizes[i] if i < len(sizes) else None
 
     def capture(
-        self, prepare: Callable[[int, int], None], forward: Callable[[int, int], torch.Tensor]
+        self, prepare: Callable[[int, int], None], forward: Callable[[int, int], torch.Tensor],
+        pool: Any = None,
     ) -> None:
         """Capture ``forward(size, query_len)`` for every size and query length, after
-        ``prepare(size, query_len)`` set up its inputs.
+        ``prepare(size, query_len)`` set up its inputs, into the graph memory pool ``pool``
+        (default: a new one).
 
         Each runs once eagerly first, so lazy initialisation (kernel compilation, cuBLAS
         workspaces) happens outside the capture.
         """
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
+        pool = torch.cuda.graph_pool_handle() if pool is None else pool
         # In a process group (tensor parallelism, whose all-reduces are captured too, or
         # pipeline stages) the NCCL watchdog thread keeps polling its events, and a stage's
         # answer thread waits for steps: only this thread's calls must be capture-safe.

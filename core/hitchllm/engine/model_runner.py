@@ -3,6 +3,7 @@ happens, sampling. Owns the KV-cache tensors and the backend's metadata builder.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import replace
@@ -26,6 +27,7 @@ from hitchllm.attention.block_copy import block_dim, copy_blocks
 from hitchllm.engine.cuda_graphs import graphs_for
 from hitchllm.engine.input_batch import InputBatch, RequestState
 from hitchllm.engine.kv_swap import HostKVCache
+from hitchllm.engine.piecewise_graphs import PieceGraphs, RowAttention, can_split
 from hitchllm.engine.prompt_logprobs import compute_prompt_logprobs
 from hitchllm.engine.rejection_sampler import build_draft_tokens
 from hitchllm.engine.runner_output import PendingOutput, RunnerOutput
@@ -38,6 +40,7 @@ from hitchllm.models.pipeline import StageGraphIO, graph_transfers, model_stage
 from hitchllm.sampling_params import SamplingParams
 from hitchllm.scheduler.step_plan import StepPlan
 
+logger = logging.getLogger(__name__)
 
 class ModelRunner:
     """Executes step plans for one model with one attention backend.
@@ -68,6 +71,7 @@ class ModelRunner:
         graph_query_lens: tuple[int, ...] = (1,),
         samples: bool = True,
         kv_connector: KVConnector | None = None,
+        piece_token_sizes: list[int] | None = None,
     ) -> None:
         self.model = model
         # Disaggregated serving: saves and loads this rank's share of requests' KV blocks.
@@ -117,6 +121,16 @@ class ModelRunner:
                                  max_num_tokens, graph_query_lens)
         # A pipeline stage's graph input and outputs (once its graphs are captured).
         self.stage_io: StageGraphIO | None = None
+        # Other steps (prompt chunks, mixed batches) up to the largest of
+        # ``piece_token_sizes`` tokens are padded to one of those sizes, and replayed as
+        # graph pieces around eagerly run attention once captured (see piecewise_graphs).
+        self.pieces: PieceGraphs | None = None
+        if device.type == "cuda" and piece_token_sizes:
+            reason = can_split(model, self.layers)
+            if reason is None:
+                self.pieces = PieceGraphs([n for n in piece_token_sizes if n <= max_num_tokens])
+            else:
+                logger.info("Prompt and mixed steps run eagerly: %s", reason)
         self.sampler = Sampler()
         # The newest sampled token of each input-batch row, kept on the device for a next
         # step scheduled before the host has seen it.
@@ -222,11 +236,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_cuda_graphs(self) -> None:
-        """Capture the forward at every graph size and query length (after
-        ``initialize_kv_cache``)."""
+        """Capture the forward at every graph size and query length, and the pieces of prompt
+        and mixed steps at every token size (after ``initialize_kv_cache``); all share one
+        memory pool."""
+        b = self.buffers
+        pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        if self.pieces is not None:
+            def forward_tokens(tokens: int) -> torch.Tensor:
+                # The device buffers themselves: a step fills them (and writes its pending
+                # tokens into them) before the replay.
+                return self.model(b.input_ids.device[:tokens], b.positions.device[:tokens])
+
+            self.pieces.capture(forward_tokens, pool)
         if self.graphs is None:
             return
-        b = self.buffers
 
         def prepare(size: int, query_len: int) -> None:
             # A batch of padding requests: the graph's kernels do not depend on the values.
@@ -244,14 +267,14 @@ class ModelRunner:
 
         stage = model_stage(self.model)
         if stage is None or stage.pp_size == 1:
-            self.graphs.capture(prepare, forward)
+            self.graphs.capture(prepare, forward, pool)
         else:
             # A pipeline stage: the graphs run its layers; the runner receives and sends
             # their activations around each replay.
             self.stage_io = StageGraphIO(self.graphs.max_tokens, stage.hidden_size,
                                          stage.dtype, self.device)
             with graph_transfers(self.stage_io):
-                self.graphs.capture(prepare, forward)
+                self.graphs.capture(prepare, forward, pool)
         del self._graph_metadata
 
     # ---- one step ----------------------------------------------------------------------
@@ -314,10 +337,15 @@ class ModelRunner:
         query_len = int(num_sched[0])
         if self.graphs is not None and (num_sched == query_len).all():
             graph_size = self.graphs.padded_size(len(num_sched), query_len)
+        num_tokens = int(num_sched.sum())
+        piece_tokens = None
+        if graph_size is None and self.pieces is not None:
+            piece_tokens = self.pieces.padded_tokens(num_tokens)
         sample_rows = [i for i, s in enumerate(plan.samples) if s]
         sampling = [(states[i], drafts[i]) for i in sample_rows]
         common, input_ids, positions, logits_idx = self._prepare_inputs(
-            rows, num_sched, num_computed, graph_size, query_len, known, sample_rows, sampling)
+            rows, num_sched, num_computed, graph_size, query_len, known, sample_rows, sampling,
+            piece_tokens)
         attn_metadata = self.builder.build(common)
         if self.before_forward is not None:
             self.before_forward(requests=states, num_scheduled_tokens=plan.num_scheduled_tokens,
@@ -326,6 +354,13 @@ class ModelRunner:
             tl.device_mark("forward_start")
         if graph_size is not None and self.graphs is not None and self.graphs.captured:
             hidden = self._replay(graph_size, query_len)
+        elif piece_tokens is not None and self.pieces is not None and self.pieces.captured:
+            if timeline.ACTIVE is not None:
+                timeline.ACTIVE.mark("pieces_replay", tokens=piece_tokens)
+            hidden = self.pieces.replay(piece_tokens, num_tokens, attn_metadata)
+        elif piece_tokens is not None:  # the same kernels as the pieces, launched eagerly
+            with set_forward_context(attn_metadata, split_attention=RowAttention(num_tokens)):
+                hidden = self.model(input_ids, positions)
         else:
             hidden = self._eager_forward(input_ids, positions, attn_metadata)
         if tl is not None:
@@ -406,13 +441,14 @@ class ModelRunner:
     def _prepare_inputs(
         self, rows: np.ndarray, num_sched: np.ndarray, num_computed: np.ndarray,
         graph_size: int | None, query_len: int, known: np.ndarray, sample_rows: list[int],
-        sampling: list[tuple[RequestState, list[int]]],
+        sampling: list[tuple[RequestState, list[int]]], piece_tokens: int | None = None,
     ) -> tuple[CommonAttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Fill the step buffers for this batch (padded to ``graph_size`` requests of
-        ``query_len`` tokens when given: a uniform batch that runs as, or like, a CUDA graph)
-        and copy them to
-        the device. ``known`` counts each row's tokens the host knows (the others are taken
-        from the device). Also returns the indices of the tokens whose logits are sampled."""
+        ``query_len`` tokens when given: a uniform batch that runs as, or like, a CUDA graph;
+        or with padding tokens up to ``piece_tokens``, which attention does not see: a step
+        that runs as, or like, graph pieces) and copy them to the device. ``known`` counts
+        each row's tokens the host knows (the others are taken from the device). Also returns
+        the indices of the tokens whose logits are sampled."""
         b = self.buffers
         if self._inputs_copied is not None:
             # The previous step's copies out of these host buffers must be done.
@@ -434,6 +470,9 @@ class ModelRunner:
         total_tokens = num_tokens
         if graph_size is not None:
             total_tokens = graph_size * query_len
+            self.buffers.pad_decode_inputs(num_tokens, total_tokens)
+        elif piece_tokens is not None:
+            total_tokens = piece_tokens
             self.buffers.pad_decode_inputs(num_tokens, total_tokens)
         common = self.buffers.common_metadata(
             num_sched, num_computed, block_table, num_tokens,

@@ -36,6 +36,7 @@ from hitchllm.distributed import ParallelRank
 from hitchllm.engine.cuda_graphs import default_capture_sizes
 from hitchllm.engine.kv_sizing import MemorySnapshot, cuda_kv_cache_bytes
 from hitchllm.engine.model_runner import ModelRunner
+from hitchllm.engine.piecewise_graphs import default_token_sizes
 from hitchllm.engine.runner_output import PendingOutput, RunnerOutput
 from hitchllm.kv_transfer.connector import KVConnector, connector_class
 from hitchllm.logits_processor import LogitsProcessor
@@ -173,6 +174,8 @@ class Worker:
             graph_query_lens=s.graph_query_lens,
             samples=self.rank.is_last_stage,
             kv_connector=self._kv_connector(),
+            piece_token_sizes=default_token_sizes(s.max_num_tokens)
+            if config.piecewise_cuda_graphs else None,
         )
         return self._runner
 

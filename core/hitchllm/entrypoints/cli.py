@@ -93,6 +93,10 @@ def add_engine_args(
     g.add_argument("--seed", type=int, default=0, help="seed of the engine's sampling RNG")
     g.add_argument("--enforce-eager", action="store_true", default=None,
                    help="CUDA: no CUDA graphs, every step runs eagerly")
+    g.add_argument("--no-piecewise-cuda-graphs", dest="piecewise_cuda_graphs",
+                   action="store_false", default=None,
+                   help="CUDA: steps with prompt chunks run eagerly instead of replaying "
+                        "graphs of everything but attention")
     g.add_argument("--no-enable-fusion", dest="enable_fusion", action="store_false",
                    default=None, help="CUDA: run norms, rotary and activations unfused")
     g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
@@ -133,7 +137,7 @@ ENGINE_FLAGS = ["tokenizer", "dtype", "kv_cache_dtype", "calculate_kv_scales", "
                 "block_size", "num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization",
                 "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                 "enable_prefix_caching", "scheduling_policy", "preemption_mode", "swap_space",
-                "seed", "enforce_eager",
+                "seed", "enforce_eager", "piecewise_cuda_graphs",
                 "enable_fusion", "async_scheduling", "cpu_threads", *VLLM_ARGS_NOT_SUPPORTED]
 
 
