@@ -38,10 +38,10 @@ from hitchllm.cpu_threads import default_omp_wait_policy
 
 default_omp_wait_policy()  # as `hitchllm serve` does, before anything imports torch
 
+from results_md import append_results, entry_heading  # noqa: E402
 from server_process import running_server  # noqa: E402
 
 from hitchllm.entrypoints import bench_serve  # noqa: E402
-from hitchllm.entrypoints.machine import describe_machine  # noqa: E402
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 SERVED_NAME = "bench-model"
@@ -208,6 +208,13 @@ def summary(rounds: list[tuple[dict[str, float], dict[str, dict[str, float]]]]) 
     return "\n".join(lines)
 
 
+def recorded_command(argv: list[str]) -> str:
+    """The command line as RESULTS.md records it: the model's folder (this machine's) as
+    MODEL_DIR."""
+    shown = ["MODEL_DIR" if i and argv[i - 1] == "--model" else a for i, a in enumerate(argv)]
+    return shlex.join(["python", "benchmarks/serve_vs_offline.py", *shown])
+
+
 def main(argv: list[str]) -> None:
     args, serve_args = parse_args(argv)
     if args.offline_child is not None:
@@ -237,10 +244,8 @@ def main(argv: list[str]) -> None:
     table = report(rounds) + "\n\n" + summary(rounds)
     print(table)
     if args.append_results:
-        command = shlex.join(["python", "benchmarks/serve_vs_offline.py", *argv])
-        with args.append_results.open("a") as f:
-            f.write(f"\n### served vs offline {args.label} ({time.strftime('%Y-%m-%d')}, "
-                    f"{describe_machine()})\n\n`{command}`\n\n{table}\n")
+        append_results(args.append_results, [
+            *entry_heading(f"served vs offline {args.label}", recorded_command(argv)), table])
 
 
 if __name__ == "__main__":

@@ -163,6 +163,10 @@ def test_serve_vs_offline_summarizes_each_server_mode_over_rounds():
     rounds = [(base, {"engine-thread": side(50, 20), "engine-process": side(90, 11)}),
               (side(200, 5), {"engine-thread": side(120, 8), "engine-process": side(190, 5)}),
               (base, {"engine-thread": side(70, 14), "engine-process": side(80, 12)})]
+    assert bench.recorded_command(["--num-prompts", "8", "--", "--model", "/x/m", "--dtype",
+                                   "bfloat16"]) == ("python benchmarks/serve_vs_offline.py "
+                                                    "--num-prompts 8 -- --model MODEL_DIR "
+                                                    "--dtype bfloat16")
     table = bench.summary(rounds).splitlines()
     assert table[2] == "| engine-thread | 3 | 0.600 (0.500-0.700) | 1.600 (1.400-2.000) |"
     assert table[3] == "| engine-process | 3 | 0.900 (0.800-0.950) | 1.100 (1.000-1.200) |"
