@@ -181,6 +181,7 @@ class PieceGraphs:
         buffers) at every size, largest first, into the graph memory pool ``pool``. Each size
         runs once uncaptured first, so compilation happens outside the capture."""
         start = time.perf_counter()
+        reserved = torch.cuda.memory_reserved()
         mode = "thread_local" if distributed.current_rank().world_size > 1 else "global"
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -199,10 +200,13 @@ class PieceGraphs:
                 del output
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the uncaptured runs' buffers; the pool keeps its own
         num_graphs = sum(len(p.graphs) for p in self._pieces.values())
         logger.info("Captured %d CUDA graphs of prompt and mixed steps (%d pieces each, token "
-                    "counts %s..%s) in %.1f s", len(self._pieces), num_graphs // len(self._pieces),
-                    self.sizes[0], self.sizes[-1], time.perf_counter() - start)
+                    "counts %s..%s) in %.1f s; their memory pool holds %.2f GiB",
+                    len(self._pieces), num_graphs // len(self._pieces), self.sizes[0],
+                    self.sizes[-1], time.perf_counter() - start,
+                    (torch.cuda.memory_reserved() - reserved) / 2**30)
 
     def replay(self, tokens: int, num_tokens: int, attn_metadata: Any) -> torch.Tensor:
         """Run the pieces of size ``tokens`` for a step of ``num_tokens`` real tokens whose

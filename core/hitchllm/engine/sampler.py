@@ -33,6 +33,11 @@ row's token depends only on its logits and its generator, never on its position 
 Mixed batches run the random path on every row (greedy rows with temperature 1) and pick per
 row with ``torch.where``: selecting the random rows first would need their count on the host.
 Nothing in ``forward`` reads a device tensor back to the host.
+
+On CUDA, a step of plain temperature sampling (greedy rows allowed; none of b-d, no top-k,
+top-p, min-p, seeded rows or drafts) runs the same race in one Triton kernel that reads the
+logits once and draws its noise in registers (``hitchllm.engine.race_kernel``): the same
+distribution and greedy tokens, another random stream.
 """
 
 from __future__ import annotations
@@ -191,6 +196,15 @@ def _gather_logprobs(
     )
 
 
+def _plain_temperature(metadata: SamplingMetadata) -> bool:
+    """Whether the step is temperature sampling alone (greedy rows allowed): no logits
+    processors, min_tokens, penalties, top-k/top-p/min-p, seeded rows, drafts or logprobs."""
+    return (not metadata.all_greedy and metadata.max_num_logprobs is None
+            and not metadata.logits_edits and metadata.stop_token_mask_rows is None
+            and metadata.no_penalties and metadata.top_k is None and metadata.top_p is None
+            and metadata.min_p is None and not metadata.generators and metadata.drafts is None)
+
+
 class Sampler(torch.nn.Module):
     """Samples one token per row from ``[N, V]`` logits; see the module docstring for the order
     in which penalties, filters and temperature apply."""
@@ -200,6 +214,12 @@ class Sampler(torch.nn.Module):
 
         ``logits`` is not modified. No host-device synchronization happens here.
         """
+        if logits.is_cuda and _plain_temperature(metadata):
+            # One pass over the logits (``hitchllm.engine.race_kernel``), same distribution.
+            from hitchllm.engine.race_kernel import race_sample
+
+            return SamplerOutput(race_sample(logits, metadata.temperature,
+                                             metadata.default_generator), None)
         logits = logits.float()
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
