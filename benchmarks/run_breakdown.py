@@ -50,7 +50,7 @@ KERNEL_CATEGORIES = (  # first match wins; matched against the kernel's name
     ("KV cache write", r"write_kv|reshape_and_cache|kv_cache"),
     ("GEMM", r"gemm|nvjet|cutlass|xmma|cublas|matmul|sm90_|sm80_"),
     ("fused elementwise (compiled)", r"^triton_|fused"),
-    ("sampling", r"softmax|exponential|argmax|argmin|sort|topk|cumsum|distribution|multinomial"
+    ("sampling", r"softmax|exponential|race|argmax|argmin|sort|topk|cumsum|distribution|multinomial"
                  r"|reduce|max_kernel"),
     ("copies and fills", r"[Mm]emcpy|[Mm]emset|copy|fill|index|gather|scatter|cat"),
 )
