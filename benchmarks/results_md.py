@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from datetime import date
 from pathlib import Path
@@ -9,11 +10,28 @@ from pathlib import Path
 from hitchllm.entrypoints.machine import describe_machine
 
 
+def current_commit() -> str:
+    """The commit the results come from: ``HITCHLLM_COMMIT`` when set (a copy of the tree whose
+    git metadata is not its own, as on a lent GPU machine), else ``git rev-parse`` with
+    ``+changes`` when tracked files differ from it."""
+    named = os.environ.get("HITCHLLM_COMMIT")
+    if named:
+        return named
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, check=False,
+                              cwd=Path(__file__).parent).stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    if commit != "unknown" and git("status", "--porcelain", "--untracked-files=no"):
+        commit += "+changes"
+    return commit
+
+
 def entry_heading(title: str, command: str, note: str = "") -> list[str]:
     """The first lines of an entry: ``### title (date, machine, commit abc1234)``, a blank
     line, ``command`` in backticks followed by ``note``, a blank line."""
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, check=False).stdout.strip() or "unknown"
+    commit = current_commit()
     return [f"### {title} ({date.today()}, {describe_machine()}, commit {commit})", "",
             f"`{command}`" + (f" {note}" if note else ""), ""]
 

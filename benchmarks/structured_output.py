@@ -12,10 +12,11 @@ and appends it to benchmarks/RESULTS.md. Needs hitchllm-structured-output instal
 from __future__ import annotations
 
 import argparse
-import subprocess
 import time
 from datetime import date
 from pathlib import Path
+
+from results_md import current_commit
 
 from hitchllm import LLM, SamplingParams, StructuredOutputsParams, default_model_path
 from hitchllm.entrypoints.machine import describe_machine
@@ -76,8 +77,7 @@ def main() -> None:
         rows.append(f"| {label} | {NUM_PROMPTS} | {tokens} | {base_seconds:.2f} | "
                     f"{seconds:.2f} | {tokens / base_seconds:.1f} | {tokens / seconds:.1f} | "
                     f"{base_seconds / seconds:.2f} |")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=Path(__file__).parent).stdout.strip() or "unknown"
+    commit = current_commit()
     table = "\n".join([
         f"### Structured output throughput, bundled default model ({date.today()}, "
         f"{describe_machine()}, commit {commit}, backend {llm.engine.attention_backend.name})",
