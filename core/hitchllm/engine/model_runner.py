@@ -126,7 +126,7 @@ class ModelRunner:
         # graph pieces around eagerly run attention once captured (see piecewise_graphs).
         self.pieces: PieceGraphs | None = None
         if device.type == "cuda" and piece_token_sizes:
-            reason = can_split(model, self.layers)
+            reason = can_split(self.layers)
             if reason is None:
                 self.pieces = PieceGraphs([n for n in piece_token_sizes if n <= max_num_tokens])
             else:

@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from hitchllm import distributed
 from hitchllm.attention import Attention, set_forward_context
@@ -60,10 +59,10 @@ def default_token_sizes(max_tokens: int) -> list[int]:
     return sorted(sizes)
 
 
-def can_split(model: nn.Module, layers: list[Attention]) -> str | None:
-    """Why ``model`` cannot run as pieces (None: it can): each of its attention layers must be
-    a core ``Attention`` (whose forward honours ``split_attention``), and it runs in one
-    process (no tensor or pipeline parallel collectives between the pieces)."""
+def can_split(layers: list[Attention]) -> str | None:
+    """Why a model with attention layers ``layers`` cannot run as pieces (None: it can): each
+    must be a core ``Attention`` (whose forward honours ``split_attention``), and the model runs
+    in one process (no tensor or pipeline parallel collectives between the pieces)."""
     if not layers:
         return "the model has no attention layers"
     odd = sorted({type(layer).__name__ for layer in layers
