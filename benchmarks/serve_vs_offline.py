@@ -110,6 +110,10 @@ def run_offline(args: argparse.Namespace, serve_args: list[str]) -> dict[str, fl
         engine.step()
 
     first: dict[str, float] = {}
+    # When each request's output last grew, and the gaps between growths (inter-token latency,
+    # as the served side measures it between streamed chunks).
+    grew: dict[str, float] = {}
+    gaps: dict[str, list[float]] = {}
     done: dict[str, float] = {}
     sent: dict[str, float] = {}
     next_up = 0
@@ -129,8 +133,12 @@ def run_offline(args: argparse.Namespace, serve_args: list[str]) -> dict[str, fl
         outputs = engine.step()
         now = time.perf_counter() - start
         for out in outputs:
-            if out.outputs[0].token_ids and out.request_id not in first:
-                first[out.request_id] = now
+            rid = out.request_id
+            if out.outputs[0].token_ids:
+                if rid in grew:
+                    gaps.setdefault(rid, []).append(now - grew[rid])
+                grew[rid] = now
+                first.setdefault(rid, now)
             if out.finished:
                 done[out.request_id] = now
     duration = max(done.values())
@@ -139,7 +147,8 @@ def run_offline(args: argparse.Namespace, serve_args: list[str]) -> dict[str, fl
     for rid, t_sent in sent.items():
         n_out = work[int(rid)][1]
         result = bench_serve.RequestResult(ok=True, ttft=first[rid] - t_sent,
-                                           latency=done[rid] - t_sent, output_tokens=n_out)
+                                           latency=done[rid] - t_sent, output_tokens=n_out,
+                                           chunk_gaps=gaps.get(rid, []))
         results.append(result)
     return bench_serve.summarize(results, duration)
 
@@ -179,8 +188,8 @@ def report(rounds: list[tuple[dict[str, float], dict[str, dict[str, float]]]]) -
     """One row per side of each round: the offline engine, then each server mode with its
     ratios to that round's offline run."""
     lines = ["| round | side | output tok/s | TTFT p50/p99 ms | TPOT p50/p90/p99 ms | "
-             "served/offline tok/s | served/offline TPOT p50 |",
-             "|---|---|---|---|---|---|---|"]
+             "ITL p50/p99 ms | served/offline tok/s | served/offline TPOT p50 |",
+             "|---|---|---|---|---|---|---|---|"]
     for i, (offline, served) in enumerate(rounds, 1):
         sides = [("offline", offline, " | "), *(
             (f"served, {mode}", s, "{throughput:.3f} | {tpot_p50:.3f}".format(
@@ -189,7 +198,8 @@ def report(rounds: list[tuple[dict[str, float], dict[str, dict[str, float]]]]) -
             lines.append(
                 f"| {i} | {side} | {s['output_tok_per_s']:.1f} | "
                 f"{s['ttft_p50_ms']:.1f}/{s['ttft_p99_ms']:.1f} | "
-                f"{s['tpot_p50_ms']:.2f}/{s['tpot_p90_ms']:.2f}/{s['tpot_p99_ms']:.2f} | {tail} |")
+                f"{s['tpot_p50_ms']:.2f}/{s['tpot_p90_ms']:.2f}/{s['tpot_p99_ms']:.2f} | "
+                f"{s['itl_p50_ms']:.2f}/{s['itl_p99_ms']:.2f} | {tail} |")
     return "\n".join(lines)
 
 

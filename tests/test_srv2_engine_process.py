@@ -155,7 +155,8 @@ def test_serve_vs_offline_summarizes_each_server_mode_over_rounds():
     finally:
         sys.path.pop(0)
     base = {"output_tok_per_s": 100.0, "tpot_p50_ms": 10.0, "ttft_p50_ms": 1.0,
-            "ttft_p99_ms": 2.0, "tpot_p90_ms": 11.0, "tpot_p99_ms": 12.0}
+            "ttft_p99_ms": 2.0, "tpot_p90_ms": 11.0, "tpot_p99_ms": 12.0, "itl_p50_ms": 9.5,
+            "itl_p99_ms": 30.0}
 
     def side(tok_s: float, tpot: float) -> dict[str, float]:
         return {**base, "output_tok_per_s": tok_s, "tpot_p50_ms": tpot}
@@ -172,7 +173,7 @@ def test_serve_vs_offline_summarizes_each_server_mode_over_rounds():
     assert table[3] == "| engine-process | 3 | 0.900 (0.800-0.950) | 1.100 (1.000-1.200) |"
     rows = bench.report(rounds).splitlines()
     assert rows[3].startswith("| 1 | served, engine-thread | 50.0 |")
-    assert rows[3].endswith("| 0.500 | 2.000 |")
+    assert rows[3].endswith("| 9.50/30.00 | 0.500 | 2.000 |")
 
 
 def test_a_failure_while_the_engine_process_loads_stops_it(monkeypatch, llama_path):
