@@ -10,7 +10,7 @@ import torch
 from test_models_hf_parity import mixed_prompts
 
 from hitchllm import LLM, SamplingParams
-from hitchllm.attention import Attention, set_forward_context
+from hitchllm.attention import Attention, real_rows, set_forward_context
 from hitchllm.engine import piecewise_graphs
 from hitchllm.engine.piecewise_graphs import (
     PieceGraphs,
@@ -21,10 +21,10 @@ from hitchllm.engine.piecewise_graphs import (
 
 
 def test_token_size_ladder():
-    assert default_token_sizes(8192) == [16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048,
-                                         3072, 4096, 6144, 8192]
+    assert default_token_sizes(8192) == [16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536,
+                                         2048, 3072, 4096, 6144, 8192]
     assert default_token_sizes(100) == [16, 32, 64, 100]
-    assert default_token_sizes(600) == [16, 32, 64, 128, 256, 512, 600]
+    assert default_token_sizes(600) == [16, 32, 64, 128, 192, 256, 384, 512, 600]
     assert default_token_sizes(16) == [16]
     assert default_token_sizes(5) == [5]
 
@@ -43,16 +43,32 @@ class OwnForward(Attention):
 
 def test_only_core_attention_layers_in_one_process_split(monkeypatch):
     layers = [Attention(2, 8, 1, 0.3, i) for i in range(2)]
-    assert can_split(layers) is None
-    assert "no attention layers" in can_split([])
-    reason = can_split([layers[0], OwnForward(2, 8, 1, 0.3, 1)])
+    assert can_split(torch.nn.Module(), layers) is None
+    assert "no attention layers" in can_split(torch.nn.Module(), [])
+    reason = can_split(torch.nn.Module(), [layers[0], OwnForward(2, 8, 1, 0.3, 1)])
     assert "OwnForward" in reason
+
+    # Experts that run densely under capture (the torch MoE method) would make every
+    # replayed prompt step compute every expert on every token.
+    from hitchllm.layers.moe import UnquantizedMoEMethod
+
+    class Experts(torch.nn.Module):
+        def __init__(self, method):
+            super().__init__()
+            self.moe_method = method
+
+    class Fused(UnquantizedMoEMethod):
+        dense_under_capture = False
+
+    model = torch.nn.Sequential(Experts(UnquantizedMoEMethod()))
+    assert "UnquantizedMoEMethod" in can_split(model, layers)
+    assert can_split(torch.nn.Sequential(Experts(Fused())), layers) is None
 
     class Rank:
         world_size = 2
 
     monkeypatch.setattr(piecewise_graphs.distributed, "current_rank", lambda: Rank())
-    assert "parallel" in can_split(layers)
+    assert "parallel" in can_split(torch.nn.Module(), layers)
 
 
 def test_split_attention_replaces_the_layers_attention():
@@ -101,17 +117,22 @@ def test_padded_prompt_steps_give_the_tokens_of_unpadded_ones(tiny_models, arch,
     runner = padded.engine.executor.runner
     assert plain.engine.executor.runner.pieces is None  # CPU engines run steps unpadded
     runner.pieces = PieceGraphs(default_token_sizes(40))
+    expected = _generate(plain, prompts)
     attended = []
     real_attend = Attention.attend
     monkeypatch.setattr(Attention, "attend",
                         lambda self, q, k, v: attended.append(q.shape[0])
                         or real_attend(self, q, k, v))
+    real = []  # what hooks on the layers see as real rows (fp8 KV-scale calibration does)
+    for layer in runner.layers:
+        layer.register_forward_pre_hook(lambda m, args: real.append(real_rows(args[1]).shape[0]))
     padded_tokens = []
     real_model = runner.model.forward
     monkeypatch.setattr(runner.model, "forward",
                         lambda ids, pos: padded_tokens.append(ids.shape[0])
                         or real_model(ids, pos))
-    assert _generate(padded, prompts) == _generate(plain, prompts)
+    assert _generate(padded, prompts) == expected
     # Steps ran at the ladder's sizes while attention saw fewer tokens.
     assert set(padded_tokens) <= {16, 32, 40} and 40 in padded_tokens
     assert any(n not in (16, 32, 40) for n in attended)
+    assert real == attended

@@ -30,6 +30,7 @@ from hitchllm.attention import (
     KVCacheSpec,
     TorchAttentionBackend,
     kernel_reasons,
+    set_forward_context,
 )
 from hitchllm.config import EngineConfig, EngineConfigError
 from hitchllm.engine import worker
@@ -268,6 +269,21 @@ def test_calculated_scales_come_from_the_first_prompt_served(shrunk):
     # Computed once: a later, different prompt leaves them alone.
     prompt_logprobs(llm, [5, 9, 200, 7, 3] * 8)
     assert scales(llm) == got
+
+
+def test_calibration_ignores_the_padding_rows_of_a_padded_step():
+    """A step padded for CUDA-graph pieces: the padding rows (here huge) are not the
+    prompt's, and the scales come from the real rows only."""
+    layer = Attention(4, 8, 2, 8**-0.5, 0)
+    calibration = KVScaleCalibration([layer], torch.float8_e4m3fn)
+    calibration.arm()
+    q, k, v = torch.randn(8, 32), torch.randn(8, 16), torch.randn(8, 16)
+    k[5:], v[5:] = 1e4, -1e4
+    with set_forward_context(None, split_attention=lambda layer, q, k, v: q,
+                             num_real_tokens=5):
+        layer(q, k, v)
+    assert float(layer.k_scale) == pytest.approx(float(k[:5].abs().max()) / 448.0)
+    assert float(layer.v_scale) == pytest.approx(float(v[:5].abs().max()) / 448.0)
 
 
 def test_calibration_takes_k_and_v_however_the_model_passes_them():

@@ -8,7 +8,11 @@ from hitchllm.attention.backend import (
     CommonAttentionMetadata,
     CudaGraphSupport,
 )
-from hitchllm.attention.forward_context import get_forward_context, set_forward_context
+from hitchllm.attention.forward_context import (
+    get_forward_context,
+    real_rows,
+    set_forward_context,
+)
 from hitchllm.attention.kv_cache_spec import (
     FP8_DTYPES,
     KVCacheKind,
@@ -46,6 +50,7 @@ __all__ = [
     "nhd_cache_shape",
     "pad_rows",
     "quantize_kv",
+    "real_rows",
     "set_forward_context",
     "write_nhd",
 ]

@@ -26,6 +26,10 @@ class ForwardContext:
 
     attn_metadata: Any
     split_attention: Callable[..., Any] | None = None
+    #: In a step padded for graph pieces, how many leading rows of the activations are real
+    #: tokens (padding rows follow); None when every row is one. Hooks that gather statistics
+    #: over the rows (fp8 KV-scale calibration) take only these.
+    num_real_tokens: int | None = None
 
 
 class _ThreadContext(threading.local):
@@ -37,16 +41,34 @@ _state = _ThreadContext()
 
 @contextmanager
 def set_forward_context(
-    attn_metadata: Any, split_attention: Callable[..., Any] | None = None
+    attn_metadata: Any, split_attention: Callable[..., Any] | None = None,
+    num_real_tokens: int | None = None,
 ) -> Iterator[ForwardContext]:
-    """Make ``attn_metadata`` (and ``split_attention``, see ``ForwardContext``) visible to every
-    ``Attention`` layer of the enclosed forward (on this thread)."""
+    """Make ``attn_metadata`` (and ``split_attention``, ``num_real_tokens``: see
+    ``ForwardContext``) visible to every ``Attention`` layer of the enclosed forward (on this
+    thread)."""
     previous = _state.current
-    _state.current = ForwardContext(attn_metadata, split_attention)
+    _state.current = ForwardContext(attn_metadata, split_attention, num_real_tokens)
     try:
         yield _state.current
     finally:
         _state.current = previous
+
+
+def current_split_attention() -> Callable[..., Any] | None:
+    """The ``split_attention`` hook of the forward running on this thread (None: none, or no
+    forward is running)."""
+    current = _state.current
+    return None if current is None else current.split_attention
+
+
+def real_rows(x: Any) -> Any:
+    """The rows of ``x`` (a tensor over the forward's tokens) that are real tokens: all of them
+    unless a forward of a padded step is running on this thread (see ``num_real_tokens``)."""
+    current = _state.current
+    if current is None or current.num_real_tokens is None:
+        return x
+    return x[: current.num_real_tokens]
 
 
 def get_forward_context() -> ForwardContext:

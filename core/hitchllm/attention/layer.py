@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from hitchllm.attention.backend import AttentionImpl
-from hitchllm.attention.forward_context import get_forward_context
+from hitchllm.attention.forward_context import current_split_attention, get_forward_context
 from hitchllm.attention.kv_cache_spec import KVCacheSpec
 from hitchllm.layers.method import ShardId, set_weight_attrs
 
@@ -114,7 +114,7 @@ class Attention(nn.Module):
             impl.k_scale, impl.v_scale = self.k_scale, self.v_scale
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        split = get_forward_context().split_attention
+        split = current_split_attention()
         if split is not None:
             return split(self, q, k, v)
         return self.attend(q, k, v)

@@ -125,10 +125,11 @@ class ModelRunner:
         # ``piece_token_sizes`` tokens are padded to one of those sizes, and replayed as
         # graph pieces around eagerly run attention once captured (see piecewise_graphs).
         self.pieces: PieceGraphs | None = None
-        if device.type == "cuda" and piece_token_sizes:
-            reason = can_split(self.layers)
+        piece_sizes = [n for n in piece_token_sizes or [] if n <= max_num_tokens]
+        if device.type == "cuda" and piece_sizes:
+            reason = can_split(model, self.layers)
             if reason is None:
-                self.pieces = PieceGraphs([n for n in piece_token_sizes if n <= max_num_tokens])
+                self.pieces = PieceGraphs(piece_sizes)
             else:
                 logger.info("Prompt and mixed steps run eagerly: %s", reason)
         self.sampler = Sampler()
@@ -355,11 +356,12 @@ class ModelRunner:
         if graph_size is not None and self.graphs is not None and self.graphs.captured:
             hidden = self._replay(graph_size, query_len)
         elif piece_tokens is not None and self.pieces is not None and self.pieces.captured:
-            if timeline.ACTIVE is not None:
-                timeline.ACTIVE.mark("pieces_replay", tokens=piece_tokens)
+            if tl is not None:
+                tl.mark("pieces_replay", tokens=piece_tokens)
             hidden = self.pieces.replay(piece_tokens, num_tokens, attn_metadata)
         elif piece_tokens is not None:  # the same kernels as the pieces, launched eagerly
-            with set_forward_context(attn_metadata, split_attention=RowAttention(num_tokens)):
+            with set_forward_context(attn_metadata, split_attention=RowAttention(num_tokens),
+                                     num_real_tokens=num_tokens):
                 hidden = self.model(input_ids, positions)
         else:
             hidden = self._eager_forward(input_ids, positions, attn_metadata)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from hitchllm import distributed
 from hitchllm.attention import Attention, set_forward_context
@@ -47,28 +48,35 @@ MIN_TOKENS = 16
 
 
 def default_token_sizes(max_tokens: int) -> list[int]:
-    """16, 32, ..., 256, 512, 768, 1024, 1536, 2048, 3072, ... (powers of two, and halfway
-    points from 512 on) below ``max_tokens``, and ``max_tokens``."""
+    """16, 32, 64, 128, 192, 256, 384, 512, 768, ... (powers of two, and halfway points from 128
+    on: a step pads by at most half) below ``max_tokens``, and ``max_tokens``."""
     sizes = {max_tokens}
     size = MIN_TOKENS
     while size < max_tokens:
         sizes.add(size)
-        if size >= 512 and size * 3 // 2 < max_tokens:
+        if size >= 128 and size * 3 // 2 < max_tokens:
             sizes.add(size * 3 // 2)
         size *= 2
     return sorted(sizes)
 
 
-def can_split(layers: list[Attention]) -> str | None:
-    """Why a model with attention layers ``layers`` cannot run as pieces (None: it can): each
-    must be a core ``Attention`` (whose forward honours ``split_attention``), and the model runs
-    in one process (no tensor or pipeline parallel collectives between the pieces)."""
+def can_split(model: nn.Module, layers: list[Attention]) -> str | None:
+    """Why ``model``, whose attention layers are ``layers``, cannot run as pieces (None: it
+    can): each layer must be a core ``Attention`` (whose forward honours ``split_attention``),
+    no mixture-of-experts layer may turn dense under capture (``dense_under_capture``), and
+    the model runs in one process (no tensor or pipeline parallel collectives between the
+    pieces)."""
     if not layers:
         return "the model has no attention layers"
     odd = sorted({type(layer).__name__ for layer in layers
                   if type(layer).forward is not Attention.forward})
     if odd:
         return f"attention layers {', '.join(odd)} run their own forward"
+    dense = sorted({type(m.moe_method).__name__ for m in model.modules()
+                    if getattr(getattr(m, "moe_method", None), "dense_under_capture", False)})
+    if dense:
+        return (f"the experts' method {', '.join(dense)} runs every expert on every token "
+                "under capture (install hitchllm-attention-triton for the fused MoE kernel)")
     rank = distributed.current_rank()
     if rank.world_size > 1:
         return "tensor and pipeline parallel ranks run prompt steps eagerly"
@@ -130,9 +138,8 @@ class _Splitter:
     and begins the next. With ``capture`` False (the warm-up forward before a capture) it only
     returns a zero output."""
 
-    def __init__(self, pool: Any, mode: str, capture: bool) -> None:
+    def __init__(self, pool: Any, capture: bool) -> None:
         self.pool = pool
-        self.mode = mode
         self.capture = capture
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.boundaries: list[_Boundary] = []
@@ -140,7 +147,7 @@ class _Splitter:
     def begin(self) -> None:
         if self.capture:
             graph = torch.cuda.CUDAGraph()
-            graph.capture_begin(self.pool, capture_error_mode=self.mode)
+            graph.capture_begin(self.pool)
             self.graphs.append(graph)
 
     def end(self) -> None:
@@ -173,6 +180,7 @@ class PieceGraphs:
 
     @property
     def captured(self) -> bool:
+        """Whether ``capture`` ran (replays need it)."""
         return bool(self._pieces)
 
     def capture(self, forward: Callable[[int], torch.Tensor], pool: Any) -> None:
@@ -181,15 +189,15 @@ class PieceGraphs:
         runs once uncaptured first, so compilation happens outside the capture."""
         start = time.perf_counter()
         reserved = torch.cuda.memory_reserved()
-        mode = "thread_local" if distributed.current_rank().world_size > 1 else "global"
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for tokens in reversed(self.sizes):
-                with set_forward_context(None, split_attention=_Splitter(pool, mode, False)):
+                with set_forward_context(None, split_attention=_Splitter(pool, False)):
                     forward(tokens)
                 torch.cuda.synchronize()
-                splitter = _Splitter(pool, mode, True)
+                torch.cuda.empty_cache()  # the uncaptured run's buffers, before the pool grows
+                splitter = _Splitter(pool, True)
                 with set_forward_context(None, split_attention=splitter):
                     splitter.begin()
                     output = forward(tokens)
@@ -213,11 +221,13 @@ class PieceGraphs:
         rows past ``num_tokens`` are padding)."""
         pieces = self._pieces[tokens]
         rows = RowAttention(num_tokens)
-        with set_forward_context(attn_metadata, split_attention=rows):
+        n = num_tokens
+        with set_forward_context(attn_metadata, split_attention=rows, num_real_tokens=n):
             for graph, boundary in zip(pieces.graphs, pieces.boundaries):
                 graph.replay()
                 rows.into = boundary.out
-                # Through the module call, so the layer's hooks run as in an eager step.
-                boundary.layer(boundary.q, boundary.k, boundary.v)
+                # Through the module call, so the layer's pre-hooks run as in an eager step
+                # (its output is ``into``: a hook replacing it would not be seen).
+                boundary.layer(boundary.q[:n], boundary.k[:n], boundary.v[:n])
             pieces.graphs[-1].replay()
         return pieces.output

@@ -201,7 +201,7 @@ class Worker:
 
     def capture_cuda_graphs(self) -> None:
         """Capture the decode graphs (a pipeline stage's without its transfers: the runner
-        receives and sends around each replay)."""
+        receives and sends around each replay) and the pieces of prompt steps."""
         self.runner.capture_cuda_graphs()
 
     def kv_cache_bytes(self, gpu_memory_utilization: float) -> int:

@@ -45,6 +45,11 @@ EXPERT_SLOTS = ("gate", "up", "down")
 
 
 class MoEMethod(ABC):
+    #: Whether ``apply``, while a CUDA graph is being captured, runs every expert on every
+    #: token (capture-safe, but dense): fine for decode batches, too slow for prompt steps,
+    #: so the engine then captures no piecewise graphs of prompt steps.
+    dense_under_capture: bool = False
+
     """How a ``FusedMoE`` layer holds its experts' weights and computes the routed sum. A
     fused kernel (Triton) or a quantization plugin subclasses it."""
 
@@ -80,6 +85,8 @@ class UnquantizedMoEMethod(MoEMethod):
     That path reads the per-expert token counts on the host, which a CUDA graph capture cannot
     do; while a graph is captured every expert runs densely on all tokens of the (small,
     decode) batch with a zero weight for the tokens not routed to it."""
+
+    dense_under_capture = True
 
     def create_weights(
         self, layer: nn.Module, num_experts: int, hidden_size: int,

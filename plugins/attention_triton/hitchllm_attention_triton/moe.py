@@ -199,6 +199,8 @@ class TritonMoEMethod(UnquantizedMoEMethod):
     """``UnquantizedMoEMethod``'s weights, computed by ``fused_moe``: one code path for
     prefill, decode and CUDA graph capture (nothing is read back to the host)."""
 
+    dense_under_capture = False
+
     def apply(
         self, layer: nn.Module, hidden: torch.Tensor, topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hitchllm.attention import FP8_DTYPES, Attention
+from hitchllm.attention import FP8_DTYPES, Attention, real_rows
 
 # A child of the core's "hitchllm" logger, so these lines show where the engine's own do.
 logger = logging.getLogger("hitchllm.quantization")
@@ -132,6 +132,8 @@ class KVScaleCalibration:
         self, layer: Attention, args: tuple[torch.Tensor, ...], kwargs: dict[str, torch.Tensor]
     ) -> None:
         _, k, v = (*args, *(kwargs[name] for name in ("q", "k", "v")[len(args):]))
+        # A step padded for CUDA-graph pieces: the padding rows are not the prompt's.
+        k, v = real_rows(k), real_rows(v)
         for scale, x in ((layer.k_scale, k), (layer.v_scale, v)):
             amax = x.detach().abs().amax().float()
             # An all-zero K (or V) gives no range to fit: keep 1.0 rather than divide by 0.
