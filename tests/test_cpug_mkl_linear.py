@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from hitchllm import LLM, SamplingParams
 from hitchllm.layers import CPU_F32_KERNEL, UnquantizedLinearMethod
+from hitchllm.models import fused
 from hitchllm_attention_cpu import mkl_linear
 
 pytestmark = pytest.mark.skipif(not mkl_linear.available(), reason="torch without MKL")
@@ -63,20 +64,22 @@ def engine_outputs(llama_path):
     outs, attached = [], []
     smallest = mkl_linear.MIN_WEIGHT_ELEMENTS
     mkl_linear.MIN_WEIGHT_ELEMENTS = 0  # the tiny model's layers are below the size bound
-    for fusion in (True, False):
-        llm = LLM(llama_path, dtype="float32", device="cpu", enable_fusion=fusion)
-        model = llm.engine.executor.worker.model
-        attached.append(sum(CPU_F32_KERNEL in m.__dict__ for m in model.modules()))
-        res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        outs.append([(list(o.outputs[0].token_ids),
-                      [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
-                     for o in res])
-        del llm, model
-    mkl_linear.MIN_WEIGHT_ELEMENTS = smallest
-    from hitchllm.models import fused
-
-    fused.unregister_device_kernels("cpu")
-    fused.set_fusion(True)
+    try:
+        for fusion in (True, False):
+            llm = LLM(llama_path, dtype="float32", device="cpu", enable_fusion=fusion)
+            model = llm.engine.executor.worker.model
+            attached.append(sum(CPU_F32_KERNEL in m.__dict__ for m in model.modules()))
+            res = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                               use_tqdm=False)
+            outs.append([(list(o.outputs[0].token_ids),
+                          [{t: lp.logprob for t, lp in d.items()}
+                           for d in o.outputs[0].logprobs])
+                         for o in res])
+            del llm, model
+    finally:
+        mkl_linear.MIN_WEIGHT_ELEMENTS = smallest
+        fused.unregister_device_kernels("cpu")
+        fused.set_fusion(True)
     return outs, attached
 
 
