@@ -13,6 +13,7 @@ from hitchllm.layers.linear import (
 from hitchllm.layers.loading import load_named_weights, process_weights_after_loading
 from hitchllm.layers.method import (
     CPU_BF16_KERNEL,
+    CPU_F32_KERNEL,
     LinearMethod,
     QuantizationMethod,
     UnquantizedLinearMethod,
@@ -32,6 +33,7 @@ from hitchllm.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 
 __all__ = [
     "CPU_BF16_KERNEL",
+    "CPU_F32_KERNEL",
     "ColumnParallelLinear",
     "FusedMoE",
     "LinearBase",

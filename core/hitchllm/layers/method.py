@@ -122,6 +122,8 @@ _PACK_BATCH_HINT = 32
 #: Key of ``layer.__dict__`` under which a plugin may attach a CPU kernel for the layer's
 #: bias-free bfloat16 calls (see ``UnquantizedLinearMethod``).
 CPU_BF16_KERNEL = "_cpu_bf16_kernel"
+#: The same for the layer's bias-free float32 calls.
+CPU_F32_KERNEL = "_cpu_f32_kernel"
 
 
 class UnquantizedLinearMethod(LinearMethod):
@@ -137,13 +139,16 @@ class UnquantizedLinearMethod(LinearMethod):
 
     Before that, a kernel a plugin attached as ``layer.__dict__[CPU_BF16_KERNEL]`` is tried for
     bias-free calls: a callable taking ``x`` and returning ``x @ W.T`` equal to ``F.linear``'s
-    bit for bit, or None to pass (attention_cpu's AMX kernel for 1-32 rows). Both the prepacked
-    copy and the kernel are dropped by ``process_weights_after_loading``.
+    bit for bit, or None to pass (attention_cpu's AMX kernel for 1-32 rows); likewise
+    ``layer.__dict__[CPU_F32_KERNEL]`` for float32 calls (attention_cpu's MKL packed GEMM for
+    16-32 rows). The prepacked copy and the kernels are dropped by
+    ``process_weights_after_loading``.
     """
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         layer.__dict__.pop("_onednn_weight", None)
         layer.__dict__.pop(CPU_BF16_KERNEL, None)
+        layer.__dict__.pop(CPU_F32_KERNEL, None)
 
     def create_weights(
         self,
@@ -166,7 +171,9 @@ class UnquantizedLinearMethod(LinearMethod):
     ) -> torch.Tensor:
         weight = layer.weight
         # x.is_cuda first: on a GPU the check ends there, once per linear per step.
-        if not x.is_cuda and weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 \
+        if x.is_cuda:
+            return F.linear(x, weight, bias)
+        if weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 \
                 and weight.device.type == "cpu" and not torch.is_grad_enabled():
             kernel = layer.__dict__.get(CPU_BF16_KERNEL)
             if kernel is not None and bias is None:
@@ -180,6 +187,10 @@ class UnquantizedLinearMethod(LinearMethod):
                 layer.__dict__["_onednn_weight"] = packed
             if packed is not None:
                 return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        elif bias is None and CPU_F32_KERNEL in layer.__dict__:
+            out = layer.__dict__[CPU_F32_KERNEL](x)
+            if out is not None:
+                return out
         return F.linear(x, weight, bias)
 
 

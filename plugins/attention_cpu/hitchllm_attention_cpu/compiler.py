@@ -61,6 +61,7 @@ FUSED_SYMBOLS = {
     "hitch_rotary": [_P, _P, _I, _I, _P, _P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _P, _F, _INT,
                      _INT],
     "hitch_write_kv": [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I],
+    "hitch_set_sum_lanes": [_INT],
 }
 AMX_SOURCE = Path(__file__).with_name("amx_linear.c")
 # Included by every source above.

@@ -6,9 +6,12 @@ kernel takes:
 
 - ``rotary``: float32 and bfloat16. Products and sums only, rounded as PyTorch rounds them:
   equal to the eager code bit for bit.
-- ``rms_norm``, ``add_rms_norm``, ``qk_norm_rotary``, ``silu_and_mul``: bfloat16 only. The sum
-  of squares (RMSNorm) and the exponential (SiLU) are computed in another order or another way
-  than PyTorch's, so the float32 result can differ in the last bit; float32 runs (whose greedy
+- ``rms_norm``, ``add_rms_norm``: float32 and bfloat16, equal to the eager code bit for bit:
+  the sum of squares is added in the order of ATen's CPU sum kernel, whose vector width
+  ``install`` finds by comparing with torch (``sum_lanes``). Where neither width reproduces
+  torch (another build or CPU), float32 keeps the eager code.
+- ``qk_norm_rotary``, ``silu_and_mul``: bfloat16 only. SiLU's exponential is not PyTorch's
+  (Sleef's), so the float32 result can differ in the last bit; float32 runs (whose greedy
   tokens are compared bit for bit with transformers) keep the eager code. In bfloat16 the
   difference shows only where a float32 value sits on a bfloat16 rounding boundary.
 
@@ -23,6 +26,37 @@ import torch
 from hitchllm_attention_cpu.compiler import load_fused_ops
 
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
+# Vector widths of ATen's float32 sum kernels (AVX2, AVX-512 builds), in the order tried.
+_LANE_CANDIDATES = (8, 16)
+# Row widths that tell the orders apart (under one vector, odd tails, several cascade levels).
+_PROBE_WIDTHS = (7, 13, 192, 1031, 4099)
+_norm_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)
+# ATen's GRAIN_SIZE: a sum with one output over this many values or more is split among threads.
+_SPLIT_ROW = 32768
+
+
+def sum_lanes() -> int | None:
+    """The vector width with which fused_ops.c's RMSNorm equals PyTorch's eager RMSNorm bit for
+    bit in float32 on random rows of the probe widths (each candidate tried, the match left set
+    in the library), or None where none does."""
+    functions = load_fused_ops().functions
+    generator = torch.Generator().manual_seed(0)
+    probes = [(torch.randn(3, n, generator=generator) * 10, torch.randn(n, generator=generator))
+              for n in _PROBE_WIDTHS]
+    wants = [_eager_rms_norm(x, w) for x, w in probes]
+    for lanes in _LANE_CANDIDATES:
+        functions["hitch_set_sum_lanes"](lanes)
+        if all(torch.equal(_c_rms_norm(x, w, 1e-6, torch.float32), want)
+               for (x, w), want in zip(probes, wants, strict=True)):
+            return lanes
+    functions["hitch_set_sum_lanes"](_LANE_CANDIDATES[0])
+    return None
+
+
+def _eager_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    from hitchllm.models import fused
+
+    return fused._normalize(x, weight, 1e-6)
 
 
 def _rows_ok(x: torch.Tensor) -> bool:
@@ -31,21 +65,34 @@ def _rows_ok(x: torch.Tensor) -> bool:
         x.dim() == 2 or (x.dim() == 3 and x.stride(1) == x.shape[2]))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    if x.dtype != torch.bfloat16 or weight.dtype != x.dtype or x.dim() != 2 \
-            or not _rows_ok(x) or not weight.is_contiguous():
-        return None
-    out = torch.empty(x.shape, dtype=x.dtype)
+def _c_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                dtype: torch.dtype) -> torch.Tensor:
+    out = torch.empty(x.shape, dtype=dtype)
     load_fused_ops().functions["hitch_rms_norm"](
         x.data_ptr(), x.stride(0), None, 0, None, weight.data_ptr(), out.data_ptr(),
-        x.shape[0], x.shape[1], eps, 1, torch.get_num_threads())
+        x.shape[0], x.shape[1], eps, _DTYPE_CODE[dtype], torch.get_num_threads())
     return out
+
+
+def _norm_applies(x: torch.Tensor) -> bool:
+    """The kernel takes ``x``'s dtype, and in float32 torch would sum each row on one thread
+    (a single row of at least ``_SPLIT_ROW`` values is summed in parts by several)."""
+    return x.dtype in _norm_dtypes and not (
+        x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] == 1
+        and x.shape[1] >= _SPLIT_ROW and torch.get_num_threads() > 1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    if not _norm_applies(x) or weight.dtype != x.dtype or x.dim() != 2 \
+            or not _rows_ok(x) or not weight.is_contiguous():
+        return None
+    return _c_rms_norm(x, weight, eps, x.dtype)
 
 
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    if x.dtype != torch.bfloat16 or residual.dtype != x.dtype or weight.dtype != x.dtype \
+    if not _norm_applies(x) or residual.dtype != x.dtype or weight.dtype != x.dtype \
             or x.dim() != 2 or residual.shape != x.shape or not _rows_ok(x) \
             or not _rows_ok(residual) or not weight.is_contiguous():
         return None
@@ -53,7 +100,7 @@ def add_rms_norm(
     total = torch.empty(x.shape, dtype=x.dtype)
     load_fused_ops().functions["hitch_rms_norm"](
         x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0), total.data_ptr(),
-        weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps, 1,
+        weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps, _DTYPE_CODE[x.dtype],
         torch.get_num_threads())
     return out, total
 
@@ -126,8 +173,10 @@ KERNELS = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "rotary": rotary,
 
 def install() -> None:
     """Register the kernels for the CPU (builds fused_ops.c on first use; raises
-    ``KernelBuildError`` when it cannot)."""
+    ``KernelBuildError`` when it cannot); the norms take float32 too where ``sum_lanes`` finds
+    PyTorch's order."""
+    global _norm_dtypes
     from hitchllm.models import fused
 
-    load_fused_ops()
+    _norm_dtypes = (torch.bfloat16,) if sum_lanes() is None else (torch.bfloat16, torch.float32)
     fused.register_device_kernels("cpu", KERNELS)

@@ -11,11 +11,11 @@
    elementwise operation is computed in float32 and, for bfloat16 tensors, rounded to bfloat16
    (round to nearest even) where PyTorch stores a bfloat16 intermediate. Built without
    floating-point contraction or reassociation (compiler.py's FUSED_FLAGS), so rotary (products
-   and sums only) equals PyTorch's bit for bit in float32 and bfloat16. Two things PyTorch does
-   its own way remain: the order of the sum of squares in RMSNorm and the exponential in SiLU
-   (ours: a polynomial, relative error ~1e-7), so those two can differ from PyTorch in the last
-   float32 bit and, rarely, by one bfloat16 unit after rounding (the Python side uses them for
-   bfloat16 only).
+   and sums only) equals PyTorch's bit for bit in float32 and bfloat16, and so does RMSNorm,
+   whose sum of squares follows ATen's summation order (aten_sum). One thing PyTorch does its
+   own way remains: the exponential in SiLU (ours: a polynomial, relative error ~1e-7), so
+   SiLU can differ from PyTorch in the last float32 bit and, rarely, by one bfloat16 unit
+   after rounding (the Python side uses it for bfloat16 only).
 
    dtype: 0 float32, 1 bfloat16, for every tensor argument but positions (int64) and the
    rotary tables (float32 [max_position, head_size / 2]). Rows may be strided (stride in
@@ -66,24 +66,115 @@ static inline INLINE const char *row_at(const void *base, int64_t row, int64_t s
     return (const char *)base + row * stride * (dtype == BF16 ? 2 : 4);
 }
 
-/* 1 / sqrt(mean(x^2) + eps) over n float32 values, squares summed in 16 interleaved partial
-   sums (which the compiler vectorizes without reassociating anything). */
-static inline INLINE float inverse_rms(const float *x, int64_t n, float eps) {
-    float part[16] = {0};
+/* Lanes of the float32 vector in the ATen sum kernel torch runs (Vectorized<float>::size() of
+   the kernel's build: 8 for AVX2, which torch's x86 wheels dispatch sums to even on AVX-512
+   CPUs; 16 for an AVX-512 build), which fix the order of its sums. fused.py finds it by
+   comparing with torch (hitch_set_sum_lanes). */
+static int sum_lanes = 8;
+
+int hitch_set_sum_lanes(int lanes) {
+    if (lanes != 16 && lanes != 8) {
+        return -1;
+    }
+    sum_lanes = lanes;
+    return 0;
+}
+
+/* ceil(log2(x)), and 1 for x <= 2 (c10's CeilLog2). */
+static inline INLINE int64_t ceil_log2(int64_t x) {
+    return x <= 2 ? 1 : 64 - __builtin_clzll((uint64_t)(x - 1));
+}
+
+/* acc[0..w) += item[0..w) */
+static inline INLINE void add_item(float *acc, const float *item, int w) {
+    for (int l = 0; l < w; ++l) {
+        acc[l] += item[l];
+    }
+}
+
+/* ATen's sum of `size` items of w lanes each (item i at v + i * w), lane by lane, in the order
+   of SumKernel.cpp's row_sum / multi_row_sum: four interleaved accumulators (item 4i + k into
+   accumulator k), each a cascade of four levels flushed every 2^p groups (p = max(4,
+   ceil_log2(groups) / 4)), the items left after the last group of four into accumulator 0,
+   then accumulators 1, 2, 3 added to it in turn. */
+static inline INLINE void row_sum_items(const float *v, int64_t size, int w, float *out) {
+    const int64_t groups = size / 4;
+    const int64_t level_power = ceil_log2(groups) / 4 > 4 ? ceil_log2(groups) / 4 : 4;
+    const int64_t level_step = (int64_t)1 << level_power, level_mask = level_step - 1;
+    float acc[4][4][16];
+    memset(acc, 0, sizeof(acc));
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        for (int j = 0; j < 16; ++j) {
-            part[j] += x[i + j] * x[i + j];
+    while (i + level_step <= groups) {
+        for (int64_t j = 0; j < level_step; ++j, ++i) {
+            for (int k = 0; k < 4; ++k) {
+                add_item(acc[0][k], v + (i * 4 + k) * w, w);
+            }
+        }
+        for (int j = 1; j < 4; ++j) {
+            for (int k = 0; k < 4; ++k) {
+                add_item(acc[j][k], acc[j - 1][k], w);
+                memset(acc[j - 1][k], 0, sizeof(acc[j - 1][k]));
+            }
+            if ((i & (level_mask << (j * level_power))) != 0) {
+                break;
+            }
         }
     }
-    for (; i < n; ++i) {
-        part[i % 16] += x[i] * x[i];
+    for (; i < groups; ++i) {
+        for (int k = 0; k < 4; ++k) {
+            add_item(acc[0][k], v + (i * 4 + k) * w, w);
+        }
+    }
+    for (int j = 1; j < 4; ++j) {
+        for (int k = 0; k < 4; ++k) {
+            add_item(acc[0][k], acc[j][k], w);
+        }
+    }
+    for (int64_t t = groups * 4; t < size; ++t) {
+        add_item(acc[0][0], v + t * w, w);
+    }
+    for (int k = 1; k < 4; ++k) {
+        add_item(acc[0][0], acc[0][k], w);
+    }
+    memcpy(out, acc[0][0], (size_t)w * sizeof(float));
+}
+
+/* The sum of n float32 values as torch.sum computes it over a contiguous last dimension
+   (cascade_sum's inner case): with at least `lanes` values, row_sum_items over whole vectors,
+   then 0 + the values past the last whole vector + each lane in turn; fewer values, row_sum
+   over single values. Bit for bit torch's result (tests/test_cpug_norm.py). */
+static inline INLINE float aten_sum(const float *v, int64_t n, int lanes) {
+    float part[16];
+    if (n < lanes) {
+        row_sum_items(v, n, 1, part);
+        return part[0];
+    }
+    const int64_t vectors = n / lanes;
+    if (lanes == 16) {
+        row_sum_items(v, vectors, 16, part);
+    } else {
+        row_sum_items(v, vectors, 8, part);
     }
     float sum = 0.0f;
-    for (int j = 0; j < 16; ++j) {
-        sum += part[j];
+    for (int64_t k = vectors * lanes; k < n; ++k) {
+        sum += v[k];
     }
-    return 1.0f / sqrtf(sum / (float)n + eps);
+    for (int l = 0; l < lanes; ++l) {
+        sum += part[l];
+    }
+    return sum;
+}
+
+/* 1 / sqrt(mean(x^2) + eps) over n float32 values as PyTorch's eager RMSNorm computes it:
+   squares rounded (pow(2) is x * x), summed in ATen's order, divided by n (CPU mean is sum then
+   division), eps rounded to float32 and added, then 1 / sqrt (ATen's rsqrt, vector and
+   scalar). */
+static inline INLINE float inverse_rms(const float *x, int64_t n, float eps) {
+    float sq[n];
+    for (int64_t i = 0; i < n; ++i) {
+        sq[i] = x[i] * x[i];
+    }
+    return 1.0f / sqrtf(aten_sum(sq, n, sum_lanes) / (float)n + eps);
 }
 
 /* buf[i] = round(weight[i] * round(buf[i] / rms(buf))) over one row of n values: what

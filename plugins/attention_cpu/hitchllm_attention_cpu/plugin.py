@@ -30,13 +30,13 @@ def hitchllm_model_loaded(model: torch.nn.Module, engine_config: EngineConfig) -
     """On a CPU model with fusion on (``enable_fusion``), register the C versions of the
     fused functions, and in bfloat16 on a CPU with AMX give the linear layers the AMX kernel
     for decode-sized calls (each built on first use; where one cannot be built, PyTorch's path
-    stays, with a warning)."""
+    stays, with a warning); in float32, MKL's packed GEMM for 16-32 rows."""
     if not engine_config.enable_fusion:
         return
     first = next(iter(model.parameters()), None)
     if first is None or first.device.type != "cpu":
         return
-    from hitchllm_attention_cpu import amx_linear, fused
+    from hitchllm_attention_cpu import amx_linear, fused, mkl_linear
     from hitchllm_attention_cpu.compiler import KernelBuildError
 
     try:
@@ -53,3 +53,7 @@ def hitchllm_model_loaded(model: torch.nn.Module, engine_config: EngineConfig) -
         else:
             logger.info("AMX kernel for %d bfloat16 linear layers of 1-%d rows", layers,
                         amx_linear.MAX_ROWS)
+    elif first.dtype == torch.float32:
+        layers = mkl_linear.install(model)
+        logger.info("MKL packed GEMM for %d float32 linear layers of %d-%d rows", layers,
+                    mkl_linear.MIN_ROWS, mkl_linear.PACKED_ROWS)
