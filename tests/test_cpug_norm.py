@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_cpuf_kernels import eager
+from test_cpuf_kernels import kernels_installed as kernels_installed  # a fixture
 
 from hitchllm import LLM, SamplingParams
 from hitchllm.models import fused
@@ -26,21 +28,6 @@ def lanes():
     if found is None:
         pytest.skip("ATen's sum order on this build is neither the AVX2 nor the AVX-512 one")
     return found
-
-
-@pytest.fixture
-def kernels_installed():
-    cpu_fused.install()
-    yield
-    fused.unregister_device_kernels("cpu")
-
-
-def eager(fn, *args):
-    fused.set_fusion(False)
-    try:
-        return fn(*args)
-    finally:
-        fused.set_fusion(True)
 
 
 def c_norm(x, w, residual=None, threads=2):

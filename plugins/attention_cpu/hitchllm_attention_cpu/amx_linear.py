@@ -78,10 +78,15 @@ def install(model: nn.Module) -> int:
     if not available():
         return 0
     count = 0
-    for module in model.modules():
-        if (isinstance(module, (LinearBase, ParallelLMHead))
-                and type(module.linear_method) is UnquantizedLinearMethod
-                and takes(module.weight)):
+    for module in unquantized_linears(model):
+        if takes(module.weight):
             module.__dict__[CPU_BF16_KERNEL] = AmxKernel(module.weight)
             count += 1
     return count
+
+
+def unquantized_linears(model: nn.Module) -> list[nn.Module]:
+    """``model``'s linear layers and LM heads whose weights are plain (unquantized): the layers
+    a CPU GEMM kernel may serve (this one for bfloat16, ``mkl_linear``'s for float32)."""
+    return [m for m in model.modules() if isinstance(m, (LinearBase, ParallelLMHead))
+            and type(m.linear_method) is UnquantizedLinearMethod]

@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hitchllm.layers import CPU_F32_KERNEL, LinearBase, ParallelLMHead, UnquantizedLinearMethod
+from hitchllm.layers import CPU_F32_KERNEL
+from hitchllm_attention_cpu.amx_linear import unquantized_linears
 
 logger = logging.getLogger(__name__)
 
@@ -97,10 +98,8 @@ def install(model: nn.Module) -> int:
     if not available():
         return 0
     count = 0
-    for module in model.modules():
-        if (isinstance(module, (LinearBase, ParallelLMHead))
-                and type(module.linear_method) is UnquantizedLinearMethod
-                and module.weight.dtype == torch.float32 and module.weight.dim() == 2
+    for module in unquantized_linears(model):
+        if (module.weight.dtype == torch.float32 and module.weight.dim() == 2
                 and module.weight.device.type == "cpu"
                 and module.weight.numel() >= MIN_WEIGHT_ELEMENTS):
             n, k = module.weight.shape
