@@ -46,7 +46,7 @@ def sum_lanes() -> int | None:
     wants = [_eager_rms_norm(x, w) for x, w in probes]
     for lanes in _LANE_CANDIDATES:
         functions["hitch_set_sum_lanes"](lanes)
-        if all(torch.equal(_c_rms_norm(x, w, 1e-6, torch.float32), want)
+        if all(torch.equal(_c_rms_norm(x, w, 1e-6), want)
                for (x, w), want in zip(probes, wants, strict=True)):
             return lanes
     functions["hitch_set_sum_lanes"](_LANE_CANDIDATES[0])
@@ -65,12 +65,19 @@ def _rows_ok(x: torch.Tensor) -> bool:
         x.dim() == 2 or (x.dim() == 3 and x.stride(1) == x.shape[2]))
 
 
-def _c_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                dtype: torch.dtype) -> torch.Tensor:
-    out = torch.empty(x.shape, dtype=dtype)
+def _like(x: torch.Tensor) -> torch.Tensor:
+    """A new contiguous tensor of ``x``'s shape and dtype. ``x`` has contiguous rows in
+    row-major order (``_rows_ok``), so ``empty_like``, which keeps the order of ``x``'s strides
+    (or is contiguous when ``x`` is not dense), lays it out contiguously, in about 1 us against
+    about 3 us for ``torch.empty(shape, dtype=...)`` (several calls a layer at decode sizes)."""
+    return torch.empty_like(x)
+
+
+def _c_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    out = _like(x)
     load_fused_ops().functions["hitch_rms_norm"](
         x.data_ptr(), x.stride(0), None, 0, None, weight.data_ptr(), out.data_ptr(),
-        x.shape[0], x.shape[1], eps, _DTYPE_CODE[dtype], torch.get_num_threads())
+        x.shape[0], x.shape[1], eps, _DTYPE_CODE[x.dtype], torch.get_num_threads())
     return out
 
 
@@ -86,7 +93,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     if not _norm_applies(x) or weight.dtype != x.dtype or x.dim() != 2 \
             or not _rows_ok(x) or not weight.is_contiguous():
         return None
-    return _c_rms_norm(x, weight, eps, x.dtype)
+    return _c_rms_norm(x, weight, eps)
 
 
 def add_rms_norm(
@@ -96,8 +103,7 @@ def add_rms_norm(
             or x.dim() != 2 or residual.shape != x.shape or not _rows_ok(x) \
             or not _rows_ok(residual) or not weight.is_contiguous():
         return None
-    out = torch.empty(x.shape, dtype=x.dtype)
-    total = torch.empty(x.shape, dtype=x.dtype)
+    out, total = _like(x), _like(x)
     load_fused_ops().functions["hitch_rms_norm"](
         x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0), total.data_ptr(),
         weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps, _DTYPE_CODE[x.dtype],
@@ -133,8 +139,7 @@ def _rotary(
     if weights is not None and any(w.dtype != q.dtype or w.shape != (d,)
                                    or not w.is_contiguous() for w in weights):
         return None
-    q_out = torch.empty(q.shape, dtype=q.dtype)
-    k_out = torch.empty(k.shape, dtype=k.dtype)
+    q_out, k_out = _like(q), _like(k)
     q_weight, k_weight = (None, None) if weights is None else (w.data_ptr() for w in weights)
     status = load_fused_ops().functions["hitch_rotary"](
         positions.data_ptr(), q.data_ptr(), q.stride(0), q.shape[1], q_out.data_ptr(),
