@@ -42,6 +42,7 @@ from hitchllm.scheduler.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
 
+
 class ModelRunner:
     """Executes step plans for one model with one attention backend.
 
@@ -359,12 +360,9 @@ class ModelRunner:
             if tl is not None:
                 tl.mark("pieces_replay", tokens=piece_tokens)
             hidden = self.pieces.replay(piece_tokens, num_tokens, attn_metadata)
-        elif piece_tokens is not None:  # the same kernels as the pieces, launched eagerly
-            with set_forward_context(attn_metadata, split_attention=RowAttention(num_tokens),
-                                     num_real_tokens=num_tokens):
-                hidden = self.model(input_ids, positions)
-        else:
-            hidden = self._eager_forward(input_ids, positions, attn_metadata)
+        else:  # a step padded for pieces launches their kernels eagerly
+            hidden = self._eager_forward(input_ids, positions, attn_metadata,
+                                         None if piece_tokens is None else num_tokens)
         if tl is not None:
             tl.device_mark("forward_end")
         pending = self._sample_step(plan, states, hidden, num_computed, logits_idx, sampling)
@@ -435,9 +433,14 @@ class ModelRunner:
                 state.append_tokens(tokens)
 
     def _eager_forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any,
+        real_tokens: int | None = None,
     ) -> torch.Tensor:
-        with set_forward_context(attn_metadata):
+        """The model's forward; with ``real_tokens``, the inputs are padded past that many
+        tokens (a step of graph pieces' size) and attention runs on the real rows only."""
+        split = None if real_tokens is None else RowAttention(real_tokens)
+        with set_forward_context(attn_metadata, split_attention=split,
+                                 num_real_tokens=real_tokens):
             return self.model(input_ids, positions)
 
     def _prepare_inputs(

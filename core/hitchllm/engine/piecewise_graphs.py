@@ -196,7 +196,8 @@ class PieceGraphs:
                 with set_forward_context(None, split_attention=_Splitter(pool, False)):
                     forward(tokens)
                 torch.cuda.synchronize()
-                torch.cuda.empty_cache()  # the uncaptured run's buffers, before the pool grows
+                # The uncaptured run's buffers, before the pool grows (the pool keeps its own).
+                torch.cuda.empty_cache()
                 splitter = _Splitter(pool, True)
                 with set_forward_context(None, split_attention=splitter):
                     splitter.begin()
@@ -207,7 +208,6 @@ class PieceGraphs:
                 del output
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        torch.cuda.empty_cache()  # the uncaptured runs' buffers; the pool keeps its own
         num_graphs = sum(len(p.graphs) for p in self._pieces.values())
         logger.info("Captured %d CUDA graphs of prompt and mixed steps (%d pieces each, token "
                     "counts %s..%s) in %.1f s; their memory pool holds %.2f GiB",
