@@ -11,8 +11,9 @@ timed graph cycles through enough copies of the layer (other random values, same
 read three times the L2 cache, and the time is per call. (Replaying one layer alone would
 serve the 29 MB int4 weight of a 4096 x 14336 layer largely from the H100's 50 MB L2.)
 ``speedup`` is bf16 time / int4 time (above 1: int4 faster); ``int4 GB/s`` counts the packed
-weight, zeros and scales read once. For M <= 2 both small-batch paths (gemv, split_k) are
-timed (``select_path`` picks by batch size: gemv for one row, split_k up to 16).
+weight, zeros and scales read once. For M <= 4 both small-batch paths (gemv, split_k) are
+timed (``select_path`` picks by batch size). The int4 tensors are in the layout the engine
+loads them into (``pack_along_k``).
 
     python benchmarks/quant_awq.py [--results benchmarks/RESULTS.md]
 """
@@ -26,8 +27,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton.testing
-from hitchllm_quantization.awq_packing import dequantize, quantize_rtn
-from hitchllm_quantization.awq_triton import PATHS, awq_gemm, select_path
+from hitchllm_quantization.awq_packing import dequantize, pack_along_k, quantize_rtn
+from hitchllm_quantization.awq_triton import PATHS, awq_gemm, gemv_config, select_path
 from results_md import append_results, entry_heading
 
 SHAPES = ((4096, 14336), (14336, 4096), (4096, 4096))  # (K, N)
@@ -56,23 +57,30 @@ def copies(nbytes: int) -> int:
     return math.ceil(3 * torch.cuda.get_device_properties(0).L2_cache_size / nbytes)
 
 
-def best_config(path: str) -> str:
-    config = PATHS[path][1].best_config
+def best_config(path: str, n: int, k: int) -> str:
+    """The tile ``path`` ran: the GEMV's rule, or the autotuner's choice."""
+    if path == "gemv":
+        tile = gemv_config(n, k, GROUP)
+        warps, stages = tile.pop("num_warps"), tile.pop("num_stages")
+    else:
+        config = PATHS[path][1].best_config
+        tile, warps, stages = config.kwargs, config.num_warps, config.num_stages
     tile = " ".join(f"{k[6:].lower() if k.startswith('BLOCK_') else k.lower()}{v}"
-                    for k, v in config.kwargs.items())
-    return f"{path}: {tile} w{config.num_warps} s{config.num_stages}"
+                    for k, v in tile.items())
+    return f"{path}: {tile} w{warps} s{stages}"
 
 
 def measure(k: int, n: int) -> list[str]:
     weight = torch.randn(n, k, device="cuda", dtype=DTYPE) * 0.02
     qweight, qzeros, scales = quantize_rtn(weight, GROUP)
     reference_weight = dequantize(qweight, qzeros, scales, GROUP, DTYPE).contiguous()
-    int4_bytes = qweight.numel() * 4 + qzeros.numel() * 4 + scales.numel() * 2
+    qweight, qzeros = pack_along_k(qweight, qzeros)  # the layout the engine loads
+    int4_bytes = qweight.numel() * 4 + qzeros.numel() + scales.numel() * 2
     weights = [weight] + [torch.randn_like(weight) * 0.02
                           for _ in range(copies(weight.numel() * 2) - 1)]
     packed = [(qweight, qzeros, scales)] + [
-        (torch.randint_like(qweight, -2**31, 2**31 - 1),
-         torch.randint_like(qzeros, -2**31, 2**31 - 1), scales.clone())
+        (torch.randint_like(qweight, -2**31, 2**31 - 1), torch.randint_like(qzeros, 0, 16),
+         scales.clone())
         for _ in range(copies(int4_bytes) - 1)]
     rows = []
     for m in BATCHES:
@@ -80,7 +88,7 @@ def measure(k: int, n: int) -> list[str]:
         want = F.linear(x.float(), reference_weight.float())
         bf16 = cold_time_us([lambda x=x, w=w: F.linear(x, w) for w in weights])
         chosen = select_path(m)
-        paths = {chosen} | ({"gemv", "split_k"} if m <= 2 else set())
+        paths = {chosen} | ({"gemv", "split_k"} if m <= 4 else set())
         times = {}
         for path in sorted(paths):
             got = awq_gemm(x, qweight, qzeros, scales, GROUP, path=path)
@@ -89,7 +97,7 @@ def measure(k: int, n: int) -> list[str]:
                 raise AssertionError(f"K={k} N={n} M={m} {path}: relative error {error:.3g}")
             times[path] = (cold_time_us([lambda x=x, p=path, t=t: awq_gemm(x, *t, GROUP, path=p)
                                          for t in packed]),
-                           best_config(path))
+                           best_config(path, n, k))
         us, config = times[chosen]
         others = ", ".join(f"{p} {t:.1f}" for p, (t, _) in sorted(times.items())
                            if p != chosen)

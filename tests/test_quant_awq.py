@@ -17,7 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 from hitchllm_quantization.awq import AWQConfig
-from hitchllm_quantization.awq_packing import dequantize, pack_int4, quantize_rtn, unpack_int4
+from hitchllm_quantization.awq_packing import (
+    dequantize,
+    pack_along_k,
+    pack_int4,
+    quantize_rtn,
+    unpack_along_k,
+    unpack_int4,
+)
 from quant_twin import assert_layers_match, prompt_logprobs, write_checkpoint
 from safetensors.torch import load_file, save_file
 from test_models_hf_parity import mixed_prompts, run
@@ -43,6 +50,19 @@ def test_packing_follows_the_published_interleaved_nibble_order():
 
     values = torch.randint(0, 16, (12, 40), generator=torch.Generator().manual_seed(0))
     assert torch.equal(unpack_int4(pack_int4(values)), values.to(torch.int32))
+
+
+def test_the_kernels_layout_packs_input_rows_in_plain_nibble_order():
+    """pack_along_k: input rows 0..7 of one column land in nibbles 0..7 of one word, so rows
+    holding their own index pack to 0x76543210; zero points become one byte each."""
+    rows = torch.arange(8).repeat_interleave(8).reshape(8, 8)  # row r holds r in all columns
+    words, zeros = pack_along_k(pack_int4(rows), pack_int4(rows[:1]))
+    assert words.shape == (1, 8) and words.dtype == torch.int32
+    assert (words == 0x76543210).all()
+    assert zeros.dtype == torch.uint8 and torch.equal(zeros, rows[:1].to(torch.uint8))
+    values = torch.randint(0, 16, (24, 40), generator=torch.Generator().manual_seed(0))
+    words, _ = pack_along_k(pack_int4(values), pack_int4(values[:3]))
+    assert torch.equal(unpack_along_k(words), values.to(torch.int32))
 
 
 def test_round_to_nearest_groups_dequantize_within_half_a_step():
@@ -98,7 +118,11 @@ def test_awq_checkpoint_matches_its_dequantized_float_twin(checkpoints, device):
     model = quantized.engine.executor.runner.model
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert qkv.qweight.dtype == torch.int32
-    assert qkv.qweight.shape == (qkv.input_size, qkv.output_size // 8)
+    if device == "cpu":  # AWQ's packing, as loaded
+        assert qkv.qweight.shape == (qkv.input_size, qkv.output_size // 8)
+    else:  # re-laid out for the kernels: packed along the input, zero points one byte each
+        assert qkv.qweight.shape == (qkv.input_size // 8, qkv.output_size)
+        assert qkv.qzeros.dtype == torch.uint8
     assert qkv.scales.shape == (qkv.input_size // GROUP, qkv.output_size)
     assert type(model.model.layers[1].mlp.down_proj.linear_method).__name__ == (
         "UnquantizedLinearMethod")
@@ -176,14 +200,14 @@ def awq_layer(out_features: int, in_features: int, group_size: int, seed: int = 
     return (qweight, qzeros, scales), dequantize(qweight, qzeros, scales, group_size)
 
 
-# Tiles for each path of the kernel (GEMV and split-K with atomic adds, whole tiles stored
+# Tiles for each path of the kernels (GEMV and split-K with atomic adds, whole tiles stored
 # directly), also with groups smaller than the tile (each row reads its group's scales).
 TILES = {
     "gemv": ("gemv", {"BLOCK_N": 32, "BLOCK_K": 16, "SPLIT_K": 3}),
-    "gemv_group_in_tile": ("gemv", {"BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": 1}),
-    "split_k": ("split_k", {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 3}),
-    "tiles": ("tiles", {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 1}),
-    "tiles_group_in_tile": ("tiles", {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 1}),
+    "gemv_tile_is_group": ("gemv", {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 1}),
+    "split_k": ("split_k", {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 3}),
+    "tiles": ("tiles", {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 1}),
+    "tiles_wide": ("tiles", {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1}),
 }
 
 
@@ -200,7 +224,7 @@ def test_triton_kernel_matches_the_dequantized_reference(dtype, tile, m):
     (qweight, qzeros, scales), weight = awq_layer(40, 192, GROUP)
     x = torch.randn(m, 192, generator=torch.Generator().manual_seed(m)).to(dtype)
     path, config = TILES[tile]
-    got = awq_gemm(x, qweight, qzeros, scales, GROUP, config, path)
+    got = awq_gemm(x, *pack_along_k(qweight, qzeros), scales, GROUP, config, path)
     want = x.double() @ weight.to(dtype).double().T
     assert got.dtype == dtype and got.shape == (m, 40)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
@@ -217,7 +241,8 @@ def test_triton_kernel_on_llama_8b_shapes_matches_the_dequantized_reference(dtyp
 
     (qweight, qzeros, scales), weight = awq_layer(n, k, 128)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
-    got = awq_gemm(x.cuda(), qweight.cuda(), qzeros.cuda(), scales.cuda(), 128).cpu()
+    words, zeros = pack_along_k(qweight, qzeros)
+    got = awq_gemm(x.cuda(), words.cuda(), zeros.cuda(), scales.cuda(), 128).cpu()
     want = x.double() @ weight.to(dtype).double().T
     assert got.dtype == dtype
     scale = want.abs().max().item()

@@ -5,8 +5,9 @@ or ``w_bit``, ``group_size`` or ``q_group_size``, ``zero_point``, ``version``,
 ``modules_to_not_convert``) and gives each linear layer an ``AWQLinearMethod``: parameters
 ``qweight``, ``qzeros`` and ``scales`` laid out as ``hitchllm_quantization.awq_packing``
 describes, loaded through the layer's weight loaders (the output dimension is packed 8 to an
-int32: ``packed_dim``/``pack_factor``). ``apply`` runs the Triton dequantize-and-multiply
-kernel on CUDA and dequantizes to a float weight for one ``F.linear`` elsewhere.
+int32: ``packed_dim``/``pack_factor``). On CUDA the loaded int4 values are re-laid out once
+for the Triton dequantize-and-multiply kernels (``awq_packing.pack_along_k``), which ``apply``
+runs; elsewhere ``apply`` dequantizes to a float weight for one ``F.linear``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hitchllm.layers import LinearBase, LinearMethod, WeightLoader, set_weight_attrs
-from hitchllm_quantization.awq_packing import PACK_FACTOR, dequantize
+from hitchllm_quantization.awq_packing import PACK_FACTOR, dequantize, pack_along_k
 
 if TYPE_CHECKING:
     from hitchllm.config import ModelConfig
@@ -131,16 +132,24 @@ class AWQLinearMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """On CUDA, import the Triton kernel now (not on the hot path), or say what to
-        install."""
-        if layer.qweight.is_cuda and self._gemm is None:
-            try:
-                from hitchllm_quantization.awq_triton import awq_gemm
-            except ImportError as err:
-                raise ImportError(
-                    f"AWQ on CUDA runs a Triton kernel, and Triton does not import ({err}): "
-                    "pip install 'hitchllm-quantization[kernels]'"
-                ) from err
-            self._gemm = awq_gemm
+        install, and re-lay the int4 values out for it (``pack_along_k``: the same bytes,
+        packed along the input dimension; the zero points unpacked to one byte each)."""
+        if not layer.qweight.is_cuda:
+            return
+        try:
+            from hitchllm_quantization.awq_triton import awq_gemm
+        except ImportError as err:
+            raise ImportError(
+                f"AWQ on CUDA runs a Triton kernel, and Triton does not import ({err}): "
+                "pip install 'hitchllm-quantization[kernels]'"
+            ) from err
+        if self.group_size % PACK_FACTOR:
+            raise ValueError(f"AWQ group_size {self.group_size}: the CUDA kernels need a "
+                             "multiple of 8 (32, 64, 128, ...)")
+        self._gemm = awq_gemm
+        words, zeros = pack_along_k(layer.qweight.data, layer.qzeros.data)
+        layer.qweight = nn.Parameter(words, requires_grad=False)
+        layer.qzeros = nn.Parameter(zeros, requires_grad=False)
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None

@@ -14,27 +14,35 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 H100 = GPUTarget("cuda", 90, 32)
-SHARED_MEMORY = 227 * 1024  # per block on an H100
-POINTERS = {"x_ptr": "*bf16", "qweight_ptr": "*i32", "qzeros_ptr": "*i32",
+SHARED_MEMORY = 227 * 1024
+ALIGNED = ("N", "K", "stride_xm", "stride_om")  # per block on an H100
+POINTERS = {"x_ptr": "*bf16", "qweight_ptr": "*i32", "zeros_ptr": "*u8",
             "scales_ptr": "*fp16"}
 
 
-def compile_config(path: str, config: triton.Config, group_size: int) -> int:
-    """Compile ``path``'s kernel with ``config``; returns its shared memory in bytes."""
+def compile_config(path: str, config: triton.Config, group_size: int):
+    """Compile ``path``'s kernel with ``config`` for an H100: the compiled kernel (its
+    ``metadata.shared`` the shared memory in bytes, ``asm`` the PTX and cubin)."""
     from hitchllm_quantization.awq_triton import PATHS
 
-    kernel, _, atomic = PATHS[path]
-    constexprs = dict(config.kwargs, GROUP_SIZE=group_size)
+    kernel = PATHS[path][0]
+    # Contiguous rows, as Triton specializes a stride of 1 at launch.
+    constexprs = dict(config.kwargs, GROUP_SIZE=group_size, PTX=True, stride_xk=1, stride_on=1)
     if path != "gemv":
-        constexprs |= {"ATOMIC": atomic, "DOT_PRECISION": "tf32"}
+        constexprs["DOT_PRECISION"] = "tf32"
+    atomic = config.kwargs["SPLIT_K"] > 1
     types = POINTERS | {"out_ptr": "*fp32" if atomic else "*bf16"}
     names = kernel.arg_names
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
-    source = ASTSource(fn=kernel, signature=signature,
+    # Pointers, sizes and row strides divisible by 16, as Triton notes at launch for a
+    # Llama-shaped layer: its loads vectorize the same way here.
+    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+               if n not in constexprs and (n.endswith("_ptr") or n in ALIGNED)}
+    source = ASTSource(fn=kernel, signature=signature, attrs=aligned,
                        constexprs={(names.index(n),): v for n, v in constexprs.items()})
     compiled = triton.compile(source, target=H100, options={
         "num_warps": config.num_warps, "num_stages": config.num_stages})
-    return compiled.metadata.shared
+    return compiled
 
 
 def main() -> None:
@@ -43,13 +51,18 @@ def main() -> None:
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") != "0":
         raise SystemExit("unset TRITON_INTERPRET: the interpreter does not compile kernels")
-    from hitchllm_quantization.awq_triton import GEMV_CONFIGS, SPLIT_K_CONFIGS, TILE_CONFIGS
+    from hitchllm_quantization.awq_triton import DOT_CONFIGS, SMALL_DOT_CONFIGS, gemv_config
 
-    for path, configs in (("gemv", GEMV_CONFIGS), ("split_k", SPLIT_K_CONFIGS),
-                          ("tiles", TILE_CONFIGS)):
-        for config in configs if args.all else configs[:1]:
-            for group_size in (128, 32):
-                shared = compile_config(path, config, group_size)
+    for path, configs in (("gemv", None), ("split_k", SMALL_DOT_CONFIGS), ("tiles", DOT_CONFIGS)):
+        for group_size in (128, 32):
+            if configs is None:  # the GEMV's rule, at a Llama-8B down projection
+                tile = gemv_config(4096, 14336, group_size)
+                warps, stages = tile.pop("num_warps"), tile.pop("num_stages")
+                chosen = [triton.Config(tile, num_warps=warps, num_stages=stages)]
+            else:
+                chosen = configs if args.all else configs[:1]
+            for config in chosen:
+                shared = compile_config(path, config, group_size).metadata.shared
                 fits = "fits" if shared <= SHARED_MEMORY else "TOO MUCH shared memory"
                 print(f"{path} {config} group {group_size}: {shared} bytes shared, {fits}")
 

@@ -82,3 +82,27 @@ def quantize_rtn(weight: torch.Tensor, group_size: int
     q = (groups / s[:, None] + zeros[:, None]).round().clamp(0, 15)
     q = q.reshape(in_features, out_features).to(torch.int32)
     return pack_int4(q), pack_int4(zeros.to(torch.int32)), scales
+
+
+def pack_along_k(qweight: torch.Tensor, qzeros: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """AWQ's GEMM packing re-laid out for the Triton kernels (``awq_triton``): the int4 values
+    packed eight consecutive *input* rows to an int32, in plain nibble order (nibble ``i`` of
+    word ``[r, n]`` holds ``q[8r + i, n]``), as int32 ``[K // 8, N]``; the zero points unpacked
+    to uint8 ``[K // G, N]``. The same values, so the same products: only the kernels read it."""
+    q = unpack_int4(qweight)
+    k, n = q.shape
+    if k % PACK_FACTOR:
+        raise ValueError(f"{k} input rows cannot be packed 8 to an int32")
+    rows = q.to(torch.int64).reshape(k // PACK_FACTOR, PACK_FACTOR, n)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=q.device)[:, None]
+    words = (rows << shifts).sum(1)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return words.contiguous(), unpack_int4(qzeros).to(torch.uint8).contiguous()
+
+
+def unpack_along_k(words: torch.Tensor) -> torch.Tensor:
+    """The int4 values ``[K, N]`` (int32, ``0 .. 15``) of ``pack_along_k``'s ``words``."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=words.device)[:, None]
+    nibbles = (words.unsqueeze(1) >> shifts) & 0xF
+    return nibbles.reshape(-1, words.shape[1])

@@ -1,26 +1,33 @@
-"""A Triton dequantize-and-multiply GEMM for AWQ int4 weights: ``out = x @ W.T``.
+"""Triton dequantize-and-multiply GEMMs for AWQ int4 weights: ``out = x @ W.T``.
 
-Each program owns a tile of the output and walks its share of the input dimension in steps of
-``BLOCK_K``. Per step it loads the packed ``qweight`` tile (each int32 once), unpacks the eight
-output columns of each int32 in registers (AWQ's interleaved nibble order, see
-``awq_packing``), loads the group's zero points and scales, dequantizes in registers
-as ``q * s - z * s`` in float32 (exact, like ``(q - z) * s``), and accumulates ``x @ W`` in
-float32 (``tl.dot``, or elementwise products for GEMV). The int4 weight is read once from
-memory; no float weight is written.
+The kernels read the weight in the K-packed layout of ``awq_packing.pack_along_k`` (made once
+at load from AWQ's GEMM packing): int32 ``[K // 8, N]`` whose nibble ``i`` of word ``[r, n]``
+is ``q[8r + i, n]``, with zero points as uint8 ``[K // G, N]`` and AWQ's float16 scales. A
+word's eight values then share one output column and one quantization group, and nibble ``i``
+of a whole tile of words is one shift and one mask away from a float: ``_nibble_floats`` puts
+it in mantissa bits 19-22 of the float ``1.0``, which reads ``1 + q / 16`` (no conversion
+instruction, which runs at a quarter of the FMA rate). Unpacking needs no reshapes; every
+tile stays in the layout it was loaded in.
 
-Three paths, each autotuned over a few tile shapes keyed by the batch's power-of-two bucket
-and the layer's shape; ``select_path`` picks one by the batch's size:
+Per group, ``sum_k x_k (q_k - z) s = s (16 P - (16 + z) X)`` with
+``P = sum_k x_k (1 + q_k / 16)``
+and ``X = sum_k x_k``: the GEMV multiplies each int4 value once (one FMA after the shift and
+mask) and applies zero point and scale once per word row and column.
 
-- ``gemv`` (decode of one sequence): no tensor cores; one program
-  per output row, column tile and K split multiplies elementwise into a float32
-  ``[BLOCK_K, BLOCK_N]`` tile and reduces over K once at the end;
-- ``split_k`` (``M <= SMALL_M``): ``tl.dot`` on 16-row tiles; few output tiles would leave the
-  GPU idle, so the K range is split over ``SPLIT_K`` programs;
-- ``tiles``: ``tl.dot`` on whole tiles, stored directly.
+Two kernels; ``select_path`` picks one by the batch's size:
 
-The first two add their partial sums into a zeroed float32 buffer (``tl.atomic_add``), cast
-to ``x``'s dtype at the end. Autotuning runs on the first call of each bucket and shape, which
-the engine makes eagerly before capturing CUDA graphs.
+- ``gemv`` (``M <= GEMV_MAX_M``): no tensor cores; a program owns ``BLOCK_N`` columns of one
+  row and a share of K (``SPLIT_K``), accumulating ``[BLOCK_K // 8, BLOCK_N]`` float32 partial
+  sums, reduced over K once at the end;
+- ``dot``: each ``BLOCK_K`` tile is dequantized nibble by nibble into eight bfloat16 (or the
+  input's dtype) ``[BLOCK_K // 8, BLOCK_N]`` slices, each multiplied with ``tl.dot`` by the
+  matching strided columns of ``x``; ``SPLIT_K > 1`` for the small batches of decode.
+
+The GEMV's tile follows a rule of the layer's shape (``gemv_config``); the dot kernel is
+autotuned over a few tiles keyed by the batch's power-of-two bucket and the layer's shape, on
+the first call of each, which the engine makes eagerly before capturing CUDA graphs. With
+``SPLIT_K > 1`` programs add their partial sums into a zeroed float32 buffer
+(``tl.atomic_add``), cast to ``x``'s dtype at the end; otherwise they store directly.
 """
 
 from __future__ import annotations
@@ -32,57 +39,27 @@ import triton.language as tl
 from hitchllm_quantization.awq_packing import PACK_FACTOR
 
 GEMV_MAX_M = 1  # batches up to this size take the GEMV path
-SMALL_M = 16  # batches up to this size take the split-K tensor-core path
+SMALL_M = 16  # the dot path splits K for batches up to this size
 
 
 @triton.jit
-def _nibbles(words, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The 8 int4 values of each int32 of ``words`` (``[BLOCK_K, BLOCK_N // 8]``) as float32
-    ``[BLOCK_K, BLOCK_N]``, in column order: column ``8c + j`` is nibble
-    ``AWQ_REVERSE_ORDER[j] = j // 2 + (j % 2) * 4``."""
-    j = tl.arange(0, 8)
-    shifts = ((j // 2) + (j % 2) * 4) * 4
-    values = (words[:, :, None] >> shifts[None, None, :]) & 0xF
-    return tl.reshape(values, (BLOCK_K, BLOCK_N)).to(tl.float32)
-
-
-@triton.jit
-def _load_words(qweight_ptr, t, n0, N, K, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                valid=True):
-    """The packed int32 ``[BLOCK_K, BLOCK_N // 8]`` of K tile ``t``, columns ``n0 ..``; zero
-    outside ``[K, N]`` or when not ``valid``."""
-    packed_n = N // 8
-    rk = t * BLOCK_K + tl.arange(0, BLOCK_K)
-    rc = n0 // 8 + tl.arange(0, BLOCK_N // 8)
-    ok = (rk < K)[:, None] & (rc < packed_n)[None, :] & valid
-    return tl.load(qweight_ptr + rk[:, None] * packed_n + rc[None, :], mask=ok, other=0)
-
-
-@triton.jit
-def _dequantize_tile(words, qzeros_ptr, scales_ptr, t, n0, N, K,
-                     GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """K tile ``t``, columns ``n0 .. n0 + BLOCK_N`` of ``W.T`` in float32 from its packed
-    ``words`` and the group's zero points and scales; zero outside ``[K, N]``."""
-    packed_n = N // 8
-    rk = t * BLOCK_K + tl.arange(0, BLOCK_K)
-    rc = n0 // 8 + tl.arange(0, BLOCK_N // 8)  # packed columns
-    rn = n0 + tl.arange(0, BLOCK_N)
-    k_ok = rk < K
-    q = _nibbles(words, BLOCK_K, BLOCK_N)
-    if GROUP_SIZE % BLOCK_K == 0:  # the whole tile lies in one group: one row of each
-        g = (t * BLOCK_K) // GROUP_SIZE
-        zwords = tl.load(qzeros_ptr + g * packed_n + rc, mask=rc < packed_n, other=0)
-        z = tl.reshape(_nibbles(zwords[None, :], 1, BLOCK_N), (BLOCK_N,))
-        s = tl.load(scales_ptr + g * N + rn, mask=rn < N, other=0.0).to(tl.float32)
-        w = q * s[None, :] - (z * s)[None, :]
-    else:  # groups smaller than the tile: each row of the tile reads its group's row
-        g = rk // GROUP_SIZE
-        zwords = tl.load(qzeros_ptr + g[:, None] * packed_n + rc[None, :],
-                         mask=k_ok[:, None] & (rc < packed_n)[None, :], other=0)
-        s = tl.load(scales_ptr + g[:, None] * N + rn[None, :],
-                    mask=k_ok[:, None] & (rn < N)[None, :], other=0.0)
-        w = (q - _nibbles(zwords, BLOCK_K, BLOCK_N)) * s.to(tl.float32)
-    return w
+def _nibble_floats(words, NIBBLE: tl.constexpr, PTX: tl.constexpr):
+    """``1 + q / 16`` in float32 for nibble ``NIBBLE`` (bits ``4 NIBBLE .. 4 NIBBLE + 3``) of
+    each of ``words``: the nibble moved to the top mantissa bits 19-22 (``0x780000``) of
+    ``1.0`` (``0x3F800000``), so that recovering ``q`` costs 4 of float32's 24 bits. With
+    ``PTX`` (on a GPU) the mask and the ``or`` are one ``lop3`` instruction, which the
+    compiler does not fuse by itself."""
+    if 4 * NIBBLE <= 19:  # noqa: SIM108 (Triton compiles if-blocks on constexprs)
+        moved = words << (19 - 4 * NIBBLE)
+    else:
+        moved = words >> (4 * NIBBLE - 19)
+    if PTX:
+        bits = tl.inline_asm_elementwise(
+            "lop3.b32 $0, $1, 0x780000, 0x3F800000, 0xEA;", "=r,r", [moved],
+            dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        bits = (moved & 0x780000) | 0x3F800000
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -95,17 +72,94 @@ def _split_k_tiles(K, pid_k, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
 
 
 @triton.jit
-def awq_gemm_kernel(
-    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, out_ptr,
+def _load_words(qweight_ptr, t, rn, N, K, BLOCK_K: tl.constexpr, valid=True):
+    """Word rows of K tile ``t`` (``[BLOCK_K // 8, len(rn)]`` int32), columns ``rn``; zero
+    outside ``[K // 8, N]`` or when not ``valid``."""
+    rr = t * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+    ok = (rr < K // 8)[:, None] & (rn < N)[None, :] & valid
+    return tl.load(qweight_ptr + rr[:, None] * N + rn[None, :], mask=ok, other=0)
+
+
+@triton.jit
+def _group_scales(zeros_ptr, scales_ptr, t, rn, N, K, GROUP_SIZE: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """``(16 s, (16 + z) s)`` in float32 for the columns ``rn`` of K tile ``t``: ``[1,
+    len(rn)]`` when the tile lies in one group, else ``[BLOCK_K // 8, len(rn)]``, each word
+    row its group's (a word never straddles groups: the group size is a multiple of 8)."""
+    if GROUP_SIZE % BLOCK_K == 0:
+        g = tl.full((1,), (t * BLOCK_K) // GROUP_SIZE, tl.int32)
+        ok = (rn < N)[None, :]
+    else:
+        k8 = 8 * (t * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8))
+        g = k8 // GROUP_SIZE
+        ok = (k8 < K)[:, None] & (rn < N)[None, :]
+    s = tl.load(scales_ptr + g[:, None] * N + rn[None, :], mask=ok, other=0.0).to(tl.float32)
+    z = tl.load(zeros_ptr + g[:, None] * N + rn[None, :], mask=ok, other=0).to(tl.float32)
+    return 16.0 * s, (16.0 + z) * s
+
+
+@triton.jit
+def awq_gemv_kernel(
+    x_ptr, qweight_ptr, zeros_ptr, scales_ptr, out_ptr,
+    M, N, K,
+    stride_xm, stride_xk, stride_om, stride_on,
+    M_BUCKET,  # unused: the autotuning key, M rounded up to a power of two
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PTX: tl.constexpr,
+):
+    """Row ``program_id(2)`` of the output, columns of tile ``program_id(0)``, the groups of
+    K split ``program_id(1)``, without tensor cores. Tiles are wide and short (``BLOCK_K`` a
+    divisor of the group size): a warp's threads share their word rows, so each ``x`` value
+    is one load for the whole warp, and scale and zero point apply once per group."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    m = tl.program_id(2)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+    part = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+    x_sum = tl.zeros((BLOCK_K // 8,), dtype=tl.float32)
+    TILES_PER_GROUP: tl.constexpr = GROUP_SIZE // BLOCK_K
+    groups = tl.cdiv(K, GROUP_SIZE)
+    per_split = tl.cdiv(groups, SPLIT_K)
+    first = pid_k * per_split * TILES_PER_GROUP
+    last = tl.minimum((pid_k + 1) * per_split, groups) * TILES_PER_GROUP
+    x_row = x_ptr + m * stride_xm
+    # Loads that no tl.dot consumes are not pipelined by the compiler: fetch the next tile's
+    # words by hand so that two tiles' loads are in flight.
+    words = _load_words(qweight_ptr, first, rn, N, K, BLOCK_K, first < last)
+    for t in range(first, last):
+        upcoming = _load_words(qweight_ptr, t + 1, rn, N, K, BLOCK_K, t + 1 < last)
+        k8 = 8 * (t * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8))  # first k of each word row
+        k_ok = k8 < K
+        for i in tl.static_range(8):
+            xi = tl.load(x_row + (k8 + i) * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
+            part += xi[:, None] * _nibble_floats(words, i, PTX)
+            x_sum += xi
+        if t % TILES_PER_GROUP == TILES_PER_GROUP - 1:  # the group's last tile
+            s16, zs = _group_scales(zeros_ptr, scales_ptr, t, rn, N, K, GROUP_SIZE, BLOCK_K)
+            acc += s16 * part - zs * x_sum[:, None]
+            part = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+            x_sum = tl.zeros((BLOCK_K // 8,), dtype=tl.float32)
+        words = upcoming
+    out = out_ptr + m * stride_om + rn * stride_on
+    if SPLIT_K > 1:
+        tl.atomic_add(out, tl.sum(acc, axis=0), mask=rn < N)
+    else:
+        tl.store(out, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=rn < N)
+
+
+@triton.jit
+def awq_dot_kernel(
+    x_ptr, qweight_ptr, zeros_ptr, scales_ptr, out_ptr,
     M, N, K,
     stride_xm, stride_xk, stride_om, stride_on,
     M_BUCKET,  # unused: the autotuning key, M rounded up to a power of two
     GROUP_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, ATOMIC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PTX: tl.constexpr,
 ):
-    """One ``[BLOCK_M, BLOCK_N]`` output tile over K-split ``program_id(2)`` with ``tl.dot``;
-    ``ATOMIC`` adds into a zeroed float32 ``out`` instead of storing."""
+    """One ``[BLOCK_M, BLOCK_N]`` output tile over K split ``program_id(2)`` with ``tl.dot``
+    (``BLOCK_K`` at least 128, so that each slice has the 16 rows ``tl.dot`` needs)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -113,137 +167,108 @@ def awq_gemm_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     first, last = _split_k_tiles(K, pid_k, BLOCK_K, SPLIT_K)
+    x_rows = x_ptr + rm[:, None] * stride_xm
     for t in range(first, last):
-        rk = t * BLOCK_K + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk,
-                    mask=(rm < M)[:, None] & (rk < K)[None, :], other=0.0)
-        words = _load_words(qweight_ptr, t, pid_n * BLOCK_N, N, K, BLOCK_K, BLOCK_N)
-        w = _dequantize_tile(words, qzeros_ptr, scales_ptr, t, pid_n * BLOCK_N, N, K,
-                             GROUP_SIZE, BLOCK_K, BLOCK_N)
-        acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
+        words = _load_words(qweight_ptr, t, rn, N, K, BLOCK_K)
+        k8 = 8 * (t * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8))
+        x_ok = (rm < M)[:, None] & (k8 < K)[None, :]
+        s16, zs = _group_scales(zeros_ptr, scales_ptr, t, rn, N, K, GROUP_SIZE, BLOCK_K)
+        for i in tl.static_range(8):
+            xi = tl.load(x_rows + (k8 + i)[None, :] * stride_xk, mask=x_ok, other=0.0)
+            w = _nibble_floats(words, i, PTX) * s16 - zs  # (q - z) s
+            acc += tl.dot(xi, w.to(xi.dtype), input_precision=DOT_PRECISION)
     out = out_ptr + rm[:, None] * stride_om + rn[None, :] * stride_on
     mask = (rm < M)[:, None] & (rn < N)[None, :]
-    if ATOMIC:
+    if SPLIT_K > 1:
         tl.atomic_add(out, acc, mask=mask)
     else:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def awq_gemv_kernel(
-    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, out_ptr,
-    M, N, K,
-    stride_xm, stride_xk, stride_om, stride_on,
-    M_BUCKET,  # unused: the autotuning key, M rounded up to a power of two
-    GROUP_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-):
-    """Row ``program_id(2)`` of the output, columns of tile ``program_id(0)``, K-split
-    ``program_id(1)``, without tensor cores: products accumulate elementwise in a float32
-    ``[BLOCK_K, BLOCK_N]`` tile, reduced over K once at the end and added into a zeroed
-    float32 ``out``."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    m = tl.program_id(2)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-    first, last = _split_k_tiles(K, pid_k, BLOCK_K, SPLIT_K)
-    n0 = pid_n * BLOCK_N
-    # The weight loads are not pipelined by the compiler here (no tl.dot): prefetch the next
-    # tile's words by hand so that two tiles' loads are in flight.
-    words = _load_words(qweight_ptr, first, n0, N, K, BLOCK_K, BLOCK_N, first < last)
-    for t in range(first, last):
-        upcoming = _load_words(qweight_ptr, t + 1, n0, N, K, BLOCK_K, BLOCK_N, t + 1 < last)
-        rk = t * BLOCK_K + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + m * stride_xm + rk * stride_xk, mask=rk < K, other=0.0)
-        w = _dequantize_tile(words, qzeros_ptr, scales_ptr, t, n0, N, K, GROUP_SIZE, BLOCK_K,
-                             BLOCK_N)
-        acc += x.to(tl.float32)[:, None] * w
-        words = upcoming
-    tl.atomic_add(out_ptr + m * stride_om + rn * stride_on, tl.sum(acc, axis=0), mask=rn < N)
 
 
 def _config(split_k: int, warps: int, stages: int, **tile: int) -> triton.Config:
     return triton.Config({**tile, "SPLIT_K": split_k}, num_warps=warps, num_stages=stages)
 
 
-GEMV_CONFIGS = [
-    _config(split_k, warps, 1, BLOCK_N=n, BLOCK_K=k)
-    for n, k, warps in ((64, 32, 4), (64, 64, 4), (128, 32, 4), (128, 64, 8), (256, 32, 8))
-    for split_k in (2, 4, 8, 16)
-]
-SPLIT_K_CONFIGS = [
+SMALL_DOT_CONFIGS = [
     _config(split_k, 4, stages, BLOCK_M=16, BLOCK_N=n, BLOCK_K=128)
-    for n in (32, 64, 128) for split_k in (1, 2, 4, 8) for stages in (3, 4)
-    if not (n == 128 and split_k == 1)
+    for n in (64, 128) for split_k in (4, 8) for stages in (2, 3)
 ]
-TILE_CONFIGS = [
-    _config(1, warps, stages, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k)
-    for m, n, k, warps, stages in (
-        (32, 64, 128, 4, 4), (64, 64, 64, 4, 4), (64, 128, 64, 4, 3), (64, 128, 128, 8, 3),
-        (128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (128, 256, 64, 8, 3),
+DOT_CONFIGS = [
+    _config(1, warps, stages, BLOCK_M=m, BLOCK_N=n, BLOCK_K=128)
+    for m, n, warps, stages in (
+        (32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3), (64, 128, 8, 3), (128, 128, 8, 3),
+        (128, 64, 4, 3), (128, 256, 8, 3),
     )
 ]
 
 
-def _keep_whole_groups(configs: list[triton.Config], named_args: dict, **kwargs) -> list:
-    """Prefer tiles that lie in one quantization group (the fast branch of the kernel)."""
-    group = named_args.get("GROUP_SIZE", kwargs.get("GROUP_SIZE"))
-    whole = [c for c in configs if group % c.kwargs["BLOCK_K"] == 0]
-    return whole or configs
+def gemv_config(n: int, k: int, group_size: int) -> dict[str, int]:
+    """The GEMV's tile for an ``N x K`` layer: 512 columns (256 below 4096 outputs), 32 input
+    rows (4 words) a step, and one or two groups per K split, so that a Llama-8B layer runs
+    256-896 programs. A fixed rule, not autotuned: the best tile with the weight read from
+    memory (benchmarks/quant_awq.py, cold weights) is not the best with it in the L2 cache,
+    where a first-use timing would find it. Measured on an H100, cold, M = 1 (the best of 50
+    tiles in brackets): 4096 x 14336 19.8 us (19.8), 14336 x 4096 20.6 (20.2), 4096 x 4096
+    10.6 (10.6), 4096 x 6144 12.0 (12.0)."""
+    return {"BLOCK_N": 512 if n >= 4096 else 256, "BLOCK_K": min(32, group_size),
+            "SPLIT_K": max(1, min(k // group_size, 64)), "num_warps": 4, "num_stages": 1}
 
 
 def _autotuned(kernel, configs: list[triton.Config], atomic: bool):
-    return triton.autotune(
-        configs=configs, key=["M_BUCKET", "N", "K", "GROUP_SIZE"],
-        prune_configs_by={"early_config_prune": _keep_whole_groups},
-        reset_to_zero=["out_ptr"] if atomic else None,
-    )(kernel)
+    return triton.autotune(configs=configs, key=["M_BUCKET", "N", "K", "GROUP_SIZE"],
+                           reset_to_zero=["out_ptr"] if atomic else None)(kernel)
 
 
-PATHS = {  # name -> (kernel, autotuned kernel, adds into a float32 buffer)
-    "gemv": (awq_gemv_kernel, _autotuned(awq_gemv_kernel, GEMV_CONFIGS, True), True),
-    "split_k": (awq_gemm_kernel, _autotuned(awq_gemm_kernel, SPLIT_K_CONFIGS, True), True),
-    "tiles": (awq_gemm_kernel, _autotuned(awq_gemm_kernel, TILE_CONFIGS, False), False),
+PATHS = {  # name -> (kernel, autotuned kernel; None: ``gemv_config``'s tile)
+    "gemv": (awq_gemv_kernel, None),
+    "split_k": (awq_dot_kernel, _autotuned(awq_dot_kernel, SMALL_DOT_CONFIGS, True)),
+    "tiles": (awq_dot_kernel, _autotuned(awq_dot_kernel, DOT_CONFIGS, False)),
 }
 
 
 def select_path(m: int) -> str:
-    """The kernel path for a batch of ``m`` rows: ``gemv`` for one, ``split_k`` up to
-    ``SMALL_M``, ``tiles`` above. A fixed rule from H100 measurements with cold weights
-    (benchmarks/quant_awq.py): the GEMV wins only at one row (32 vs 42 us at 4096 x 14336) and
-    loses from two rows on, at every Llama-8B shape. An earlier version timed both paths on
-    first use instead, but a one-off timing reads the weight from the L2 cache, not from memory
-    as a served model does, and picked the slower path."""
+    """The kernel path for a batch of ``m`` rows: ``gemv`` up to ``GEMV_MAX_M``, ``split_k``
+    (the dot kernel with K splits) up to ``SMALL_M``, ``tiles`` above. A fixed rule from H100
+    measurements with cold weights (benchmarks/quant_awq.py): a one-off timing on first use
+    would read the weight from the L2 cache, not from memory as a served model does."""
     if m > SMALL_M:
         return "tiles"
     return "gemv" if m <= GEMV_MAX_M else "split_k"
 
 
 def awq_gemm(
-    x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+    x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
     group_size: int, config: dict[str, int] | None = None, path: str | None = None,
 ) -> torch.Tensor:
-    """``x @ W.T`` (``x`` ``[M, K]``; AWQ tensors of ``W`` ``[N, K]``) in ``x``'s dtype.
+    """``x @ W.T`` (``x`` ``[M, K]``) in ``x``'s dtype, from the K-packed tensors of ``W``
+    ``[N, K]`` (``awq_packing.pack_along_k``: ``qweight`` int32 ``[K // 8, N]``, ``zeros``
+    uint8 ``[K // G, N]``) and AWQ's ``scales`` ``[K // G, N]``.
 
     ``path`` picks the kernel (``select_path`` when None); ``config`` fixes its tile
     (``BLOCK_N``, ``BLOCK_K``, ``SPLIT_K``, ``BLOCK_M`` except for ``gemv``, optional
     ``num_warps``/``num_stages``) instead of autotuning: tests use it to run every path under
     the Triton interpreter, the benchmark to compare paths."""
     m, k = x.shape
-    n = qweight.shape[1] * PACK_FACTOR
-    if qweight.shape[0] != k:
-        raise ValueError(f"x has {k} input columns but qweight has {qweight.shape[0]} rows")
+    n = qweight.shape[1]
+    if qweight.shape[0] * PACK_FACTOR != k:
+        raise ValueError(f"x has {k} input columns but qweight packs "
+                         f"{qweight.shape[0] * PACK_FACTOR}")
     path = path or select_path(m)
-    kernel, tuned, atomic = PATHS[path]
+    kernel, tuned = PATHS[path]
+    if path == "gemv" and config is not None and group_size % config["BLOCK_K"]:
+        raise ValueError(f"the GEMV's BLOCK_K {config['BLOCK_K']} must divide the group size "
+                         f"{group_size}")
+    if path == "gemv" and config is None:
+        config = gemv_config(n, k, group_size)
+    # The autotuned split-K path may pick any K split: it always gets a float32 buffer.
+    atomic = path == "split_k" if config is None else config["SPLIT_K"] > 1
     out = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if atomic
            else torch.empty(m, n, dtype=x.dtype, device=x.device))
-    args = (x, qweight, qzeros, scales, out, m, n, k, x.stride(0), x.stride(1), out.stride(0),
+    args = (x, qweight, zeros, scales, out, m, n, k, x.stride(0), x.stride(1), out.stride(0),
             out.stride(1), triton.next_power_of_2(m))
-    flags = {"GROUP_SIZE": group_size}
+    flags = {"GROUP_SIZE": group_size, "PTX": x.is_cuda}
     if path != "gemv":
-        flags |= {"ATOMIC": atomic,
-                  "DOT_PRECISION": "ieee" if x.dtype == torch.float32 else "tf32"}
+        flags["DOT_PRECISION"] = "ieee" if x.dtype == torch.float32 else "tf32"
 
     def grid(meta: dict) -> tuple[int, int, int]:
         if path == "gemv":
