@@ -81,12 +81,14 @@ def _residue_fp16(w, J: tl.constexpr, E5M2: tl.constexpr, UNPACK: tl.constexpr):
 @triton.jit
 def _asm_pair(w16, E5M2: tl.constexpr):
     """The two fp8 values of each 16-bit word as fp16 (one cvt per word)."""
-    if E5M2:
-        asm = "{ .reg .b32 a; cvt.rn.f16x2.e5m2x2 a, $2; mov.b32 {$0, $1}, a; }"
+    if E5M2:  # (the asm strings are literals: Triton has no str variables)
+        v0, v1 = tl.inline_asm_elementwise(
+            "{ .reg .b32 a; cvt.rn.f16x2.e5m2x2 a, $2; mov.b32 {$0, $1}, a; }", "=h,=h,h",
+            [w16], dtype=(tl.int16, tl.int16), is_pure=True, pack=1)
     else:
-        asm = "{ .reg .b32 a; cvt.rn.f16x2.e4m3x2 a, $2; mov.b32 {$0, $1}, a; }"
-    v0, v1 = tl.inline_asm_elementwise(asm, "=h,=h,h", [w16], dtype=(tl.int16, tl.int16),
-                                       is_pure=True, pack=1)
+        v0, v1 = tl.inline_asm_elementwise(
+            "{ .reg .b32 a; cvt.rn.f16x2.e4m3x2 a, $2; mov.b32 {$0, $1}, a; }", "=h,=h,h",
+            [w16], dtype=(tl.int16, tl.int16), is_pure=True, pack=1)
     return v0.to(tl.float16, bitcast=True), v1.to(tl.float16, bitcast=True)
 
 
@@ -94,16 +96,17 @@ def _asm_pair(w16, E5M2: tl.constexpr):
 def _asm_quad(w, E5M2: tl.constexpr):
     """The four fp8 values of each 32-bit word as fp16 (two cvts per word)."""
     if E5M2:
-        asm = ("{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; "
-               "cvt.rn.f16x2.e5m2x2 a, lo; cvt.rn.f16x2.e5m2x2 b, hi; "
-               "mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }")
+        v0, v1, v2, v3 = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; "
+            "cvt.rn.f16x2.e5m2x2 a, lo; cvt.rn.f16x2.e5m2x2 b, hi; "
+            "mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }", "=h,=h,=h,=h,r", [w],
+            dtype=(tl.int16, tl.int16, tl.int16, tl.int16), is_pure=True, pack=1)
     else:
-        asm = ("{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; "
-               "cvt.rn.f16x2.e4m3x2 a, lo; cvt.rn.f16x2.e4m3x2 b, hi; "
-               "mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }")
-    v0, v1, v2, v3 = tl.inline_asm_elementwise(asm, "=h,=h,=h,=h,r", [w],
-                                               dtype=(tl.int16, tl.int16, tl.int16, tl.int16),
-                                               is_pure=True, pack=1)
+        v0, v1, v2, v3 = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; "
+            "cvt.rn.f16x2.e4m3x2 a, lo; cvt.rn.f16x2.e4m3x2 b, hi; "
+            "mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }", "=h,=h,=h,=h,r", [w],
+            dtype=(tl.int16, tl.int16, tl.int16, tl.int16), is_pure=True, pack=1)
     return (v0.to(tl.float16, bitcast=True), v1.to(tl.float16, bitcast=True),
             v2.to(tl.float16, bitcast=True), v3.to(tl.float16, bitcast=True))
 
