@@ -288,8 +288,10 @@ CPU_CASES = [
 @dataclass(frozen=True)
 class Variant:
     name: str
-    v_word: int  # 0: the plugin's kernel; 1: bytes in this file's kernel; 2 or 4: words
+    v_word: int  # 1: V as bytes; 2 or 4: V as words
     unpack: str = "cvt"
+    plugin: bool = False  # the installed plugin's kernel, not this file's
+    grid: int = 1  # how many GRID configurations the headline tries
 
 
 class Bench:
@@ -361,11 +363,16 @@ class Bench:
                     SPLITS_PAD=max(2, triton.next_power_of_2(splits)))
             return out
 
-        if variant is None or variant.v_word == 0:
+        if variant is None or variant.plugin:
             fp8 = variant is not None
             cache = self.cache if fp8 else self.cache_full
             kc, vc = cache.unbind(0)
             ks, vs = (self.k_scale, self.v_scale) if fp8 else (self.one, self.one)
+            # The words path integrated in the plugin (branch wip-fp8), when installed.
+            words = {} if variant is None or variant.v_word == 1 else dict(
+                V_WORD=variant.v_word, ASM_CVT=variant.unpack == "asm")
+            if words:
+                vc = vc.view(torch.int32 if variant.v_word == 4 else torch.int16)
 
             def call():
                 plugin_kernels.paged_attention[grid](
@@ -376,7 +383,7 @@ class Bench:
                     c.batch, c.num_heads,
                     GROUP=group, HEAD_DIM=HEAD, HEAD_PAD=HEAD, BLOCK_Q=1, BLOCK_M=block_m,
                     BLOCK_N=block_n, PAGE=PAGE, USE_SOFTCAP=False, WINDOW=0,
-                    NUM_SPLITS=splits, DECODE=True, FP8=fp8,
+                    NUM_SPLITS=splits, DECODE=True, FP8=fp8, **words,
                     num_warps=warps, num_stages=stages)
                 return merge()
             return call
@@ -407,17 +414,25 @@ def time_us(fn, rep_ms: int) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=rep_ms) * 1000
 
 
-VARIANTS = [
-    Variant("bytes", 1),
-    Variant("w4-cvt", 4, "cvt"),
-    Variant("w2-cvt", 2, "cvt"),
-    Variant("w4-int", 4, "int"),
-    Variant("w2-int", 2, "int"),
-    Variant("w4-asm", 4, "asm"),
-    Variant("w2-asm", 2, "asm"),
-]
 # (BLOCK_N, warps, stages) tried on the headline shape; the plugin's fp8 tile first.
 GRID = [(128, 4, 3), (128, 4, 2), (128, 8, 3), (64, 4, 3), (256, 4, 2), (256, 8, 2)]
+PLUGIN_WORDS = "V_WORD" in plugin_kernels.paged_attention.arg_names
+VARIANTS = [
+    # The installed plugin's kernel at its fp8 tile, words read as integrated on wip-fp8.
+    *([Variant("plugin w2-asm", 2, "asm", plugin=True),
+       Variant("plugin w4-asm", 4, "asm", plugin=True),
+       Variant("plugin w2-cvt", 2, "cvt", plugin=True)] if PLUGIN_WORDS else []),
+    Variant("bytes", 1),  # this file's kernel reading bytes: should time as the plugin's fp8
+    Variant("w2-asm", 2, "asm", grid=len(GRID)),
+    Variant("w4-asm", 4, "asm", grid=len(GRID)),
+    Variant("w2-cvt", 2, "cvt", grid=3),
+    Variant("w4-cvt", 4, "cvt", grid=3),
+    Variant("w2-int", 2, "int"),
+    Variant("w4-int", 4, "int"),
+]
+# Past this many seconds, the shapes after the headline get the plugin's rows and the best
+# variant only.
+LATE_S = 150.0
 
 
 def main() -> None:
@@ -437,7 +452,7 @@ def main() -> None:
           + ("CPU interpreter" if args.cpu else torch.cuda.get_device_name()))
     print("| shape | kernel | n w s x | us | TB/s | vs bf16 | max abs err |")
     print("|---|---|---|---|---|---|---|")
-    best: dict[str, tuple[int, int, int]] = {}
+    best: dict[str, tuple[float, tuple[int, int, int]]] = {}
     for i, case in enumerate(CPU_CASES if args.cpu else GPU_CASES):
         sweep_case(Bench(case, fp8, dtype, device), args, best, i == 0 and not args.cpu,
                    began)
@@ -447,10 +462,12 @@ def main() -> None:
           "(fp8: half of bf16); times exclude the K/V write launch.")
 
 
-def sweep_case(bench: Bench, args: argparse.Namespace, best: dict[str, tuple[int, int, int]],
-               headline: bool, began: float) -> None:
+def sweep_case(bench: Bench, args: argparse.Namespace,
+               best: dict[str, tuple[float, tuple[int, int, int]]], headline: bool,
+               began: float) -> None:
     """The rows of one case: baselines, then every variant over the grid (``headline``, which
-    records each variant's best configuration in ``best``) or at its best configuration."""
+    records each variant's best time and configuration in ``best``) or at its best
+    configuration."""
     case = bench.case
     times: list[float] = []
 
@@ -469,19 +486,25 @@ def sweep_case(bench: Bench, args: argparse.Namespace, best: dict[str, tuple[int
         return us
 
     run(f"{str(bench.dtype).removeprefix('torch.')} (plugin)", None, bench.config(kv_bytes=2), 2)
-    run(f"{str(bench.fp8).removeprefix('torch.')} (plugin)", Variant("plugin", 0),
+    run(f"{str(bench.fp8).removeprefix('torch.')} (plugin)", Variant("plugin", 1, plugin=True),
         bench.config(), 1)
+    overall = min(((us, name) for name, (us, _) in best.items() if "plugin" not in name),
+                  default=(0.0, ""))[1]
     for variant in VARIANTS:
         if args.cpu and variant.unpack == "asm":  # the interpreter cannot run PTX
             continue
+        if variant.plugin:
+            run(variant.name, variant, bench.config(), 1)
+            continue
         if not headline:
-            cfg = best.get(variant.name)
-            if not args.cpu and (cfg is None or variant.v_word == 1):
+            late = not args.cpu and time.time() - began > LATE_S and variant.name != overall
+            if not args.cpu and (variant.name not in best or variant.v_word == 1 or late):
                 continue  # bytes: the headline alone checks this file's kernel
-            run(variant.name, variant, bench.config(*(cfg or (None, None, None))), 1)
+            cfg = best[variant.name][1] if variant.name in best else (None, None, None)
+            run(variant.name, variant, bench.config(*cfg), 1)
             continue
         timed = []
-        for n, w, s in GRID if variant.v_word > 1 else GRID[:1]:
+        for n, w, s in GRID[: variant.grid]:
             if time.time() - began > args.budget_s and timed:
                 print(f"| {case.name} | {variant.name} | (budget spent: rest of the grid "
                       "skipped) | | | | |")
@@ -490,7 +513,7 @@ def sweep_case(bench: Bench, args: argparse.Namespace, best: dict[str, tuple[int
             if us is not None:
                 timed.append((us, (n, w, s)))
         if timed:
-            best[variant.name] = min(timed)[1]
+            best[variant.name] = min(timed)
 
 
 def cfg_str(cfg) -> str:
