@@ -14,9 +14,11 @@ V is 16 or 32 bits wide. Unpacking, per variant:
   subnormals included), and the 2^8 goes into ``v_scale``;
 - ``asm``: inline PTX, ``cvt.rn.f16x2.e4m3x2`` on each 16-bit half of the word (GPU only).
 
-Rows: bf16 and fp8 through the installed plugin's ``paged_attention`` (the baseline), the same
-byte-wise fp8 path re-implemented here (``bytes``: checks this file's kernel against the
-plugin's), then each variant over a few (BLOCK_N, warps, stages). The headline shape
+Rows: bf16 and fp8 through the installed plugin's ``paged_attention`` (the baseline), the
+plugin's own words path at its fp8 tile when the installed plugin has one (branch wip-fp8:
+``plugin w2-asm`` is its default), the same byte-wise fp8 path re-implemented here (``bytes``:
+checks this file's kernel against the plugin's), then each variant over a few (BLOCK_N,
+warps, stages). The headline shape
 (64 x 2048, GQA 32/8) gets every configuration; the other four shapes of
 ``benchmarks/attention.py --kv-cache-dtype fp8`` get each variant's best configuration from
 the headline. Times are device times of CUDA-graph replays of the attention kernel plus the
