@@ -342,9 +342,10 @@ class Bench:
         return (base.block_m, block_n or base.block_n, warps or base.num_warps,
                 stages or base.num_stages, c.splits or base.num_splits)
 
-    def launcher(self, variant: Variant | None, cfg) -> Callable[[], torch.Tensor]:
-        """A no-argument call of one attention step (kernel and split merge); ``variant`` None
-        is the plugin's bf16 kernel."""
+    def launcher(self, variant: Variant | None, cfg) -> tuple[Callable[[], torch.Tensor], dict]:
+        """A no-argument call of one attention step (kernel and split merge), and a dict that
+        holds its compiled attention kernel after the first call; ``variant`` None is the
+        plugin's bf16 kernel."""
         c = self.case
         block_m, block_n, warps, stages, splits = cfg
         group = c.num_heads // c.num_kv_heads
@@ -356,6 +357,7 @@ class Bench:
         grid = (c.batch, c.num_kv_heads, splits)
         qk_scale = HEAD**-0.5 * LOG2E
         q = self.q
+        kernels: dict = {}  # the compiled attention kernel, once launched (registers, spills)
 
         def merge():
             if splits > 1:
@@ -377,7 +379,7 @@ class Bench:
                 vc = vc.view(torch.int32 if variant.v_word == 4 else torch.int16)
 
             def call():
-                plugin_kernels.paged_attention[grid](
+                kernels["attention"] = plugin_kernels.paged_attention[grid](
                     out, q, kc, vc, self.block_table, self.seq_lens, self.qsl,
                     self.seq_lens, self.seq_lens, partial, lse, ks, vs, qk_scale, 0.0,
                     q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -388,14 +390,14 @@ class Bench:
                     NUM_SPLITS=splits, DECODE=True, FP8=fp8, **words,
                     num_warps=warps, num_stages=stages)
                 return merge()
-            return call
+            return call, kernels
 
         kc, vc = self.cache.unbind(0)
         if variant.v_word > 1:
             vc = vc.view(torch.int32 if variant.v_word == 4 else torch.int16)
 
         def call():
-            decode_words[grid](
+            kernels["attention"] = decode_words[grid](
                 out, q, kc, vc, self.block_table, self.seq_lens, partial, lse,
                 self.k_scale, self.v_scale, qk_scale,
                 q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -405,7 +407,7 @@ class Bench:
                 NUM_SPLITS=splits, V_WORD=variant.v_word, UNPACK=UNPACK[variant.unpack],
                 E5M2=self.fp8 == torch.float8_e5m2, num_warps=warps, num_stages=stages)
             return merge()
-        return call
+        return call, kernels
 
 
 def time_us(fn, rep_ms: int) -> float:
@@ -452,8 +454,8 @@ def main() -> None:
     dtype = torch.float32 if args.cpu else torch.bfloat16
     print(f"# fp8 decode variants, {str(fp8).removeprefix('torch.')}, "
           + ("CPU interpreter" if args.cpu else torch.cuda.get_device_name()))
-    print("| shape | kernel | n w s x | us | TB/s | vs bf16 | max abs err |")
-    print("|---|---|---|---|---|---|---|")
+    print("| shape | kernel | n w s x | us | TB/s | vs bf16 | max abs err | regs |")
+    print("|---|---|---|---|---|---|---|---|")
     best: dict[str, tuple[float, tuple[int, int, int]]] = {}
     for i, case in enumerate(CPU_CASES if args.cpu else GPU_CASES):
         sweep_case(Bench(case, fp8, dtype, device), args, best, i == 0 and not args.cpu,
@@ -475,16 +477,19 @@ def sweep_case(bench: Bench, args: argparse.Namespace,
 
     def run(label: str, variant: Variant | None, cfg: tuple, bytes_per: int) -> float | None:
         try:
-            fn = bench.launcher(variant, cfg)
+            fn, kernels = bench.launcher(variant, cfg)
             err = (fn().double() - bench.ref).abs().max().item()
+            compiled = kernels.get("attention")
+            regs = (f"{compiled.n_regs}" + (f"+{compiled.n_spills} spilled" if compiled.n_spills
+                                            else "")) if hasattr(compiled, "n_regs") else "-"
             us = float("nan") if args.cpu else time_us(fn, args.rep_ms)
         except Exception as exc:  # a variant that does not compile is reported, not fatal
             first = str(exc).splitlines()[0][:100] if str(exc) else ""
             print(f"| {case.name} | {label} | {cfg_str(cfg)} | failed: {type(exc).__name__}: "
-                  f"{first} | | | |", flush=True)
+                  f"{first} | | | | |", flush=True)
             return None
         times.append(us)
-        emit(case, label, cfg, us, err, bytes_per, times[0])  # times[0]: bf16
+        emit(case, label, cfg, us, err, bytes_per, times[0], regs)  # times[0]: bf16
         return us
 
     run(f"{str(bench.dtype).removeprefix('torch.')} (plugin)", None, bench.config(kv_bytes=2), 2)
@@ -509,7 +514,7 @@ def sweep_case(bench: Bench, args: argparse.Namespace,
         for n, w, s in GRID[: variant.grid]:
             if time.time() - began > args.budget_s and timed:
                 print(f"| {case.name} | {variant.name} | (budget spent: rest of the grid "
-                      "skipped) | | | | |")
+                      "skipped) | | | | | |")
                 break
             us = run(variant.name, variant, bench.config(n, w, s), 1)
             if us is not None:
@@ -523,7 +528,7 @@ def cfg_str(cfg) -> str:
     return f"{n} {w} {s} {x}"
 
 
-def emit(case, label, cfg, us, err, bytes_per, bf16_us) -> None:
+def emit(case, label, cfg, us, err, bytes_per, bf16_us, regs) -> None:
     flag = " WRONG" if not err <= 2e-2 else ""
     if math.isnan(us):
         tbs = ratio = "-"
@@ -533,7 +538,7 @@ def emit(case, label, cfg, us, err, bytes_per, bf16_us) -> None:
         ratio = f"{us / bf16_us:.3f}x"
         us_s = f"{us:.1f}"
     print(f"| {case.name} | {label} | {cfg_str(cfg)} | {us_s} | {tbs} | {ratio} | "
-          f"{err:.1e}{flag} |", flush=True)
+          f"{err:.1e}{flag} | {regs} |", flush=True)
 
 
 if __name__ == "__main__":
