@@ -255,7 +255,8 @@ def fmt_kv_dtypes(row: dict, names: list[str]) -> str:
         cells.append(f"{full:.1f} us ({tbs[0]:.2f} TB/s) -> {fp8:.1f} us ({tbs[1]:.2f} TB/s), "
                      f"**{fp8 / full:.2f}x**")
     c = row["config"]
-    cfg = f"q{c.block_q} m{c.block_m} n{c.block_n} w{c.num_warps} s{c.num_stages} x{c.num_splits}"
+    cfg = (f"q{c.block_q} m{c.block_m} n{c.block_n} w{c.num_warps} s{c.num_stages} "
+           f"x{c.num_splits} v{c.v_word}")
     return f"| {row['case']:<28} | " + " | ".join(cells) + f" | {cfg} |"
 
 
@@ -263,16 +264,17 @@ def tune(case: Case, kv_dtype: torch.dtype = DTYPE) -> None:
     print(f"\n## tuning {case.name}, KV cache {str(kv_dtype).removeprefix('torch.')}")
     grid = []
     group = case.num_heads // case.num_kv_heads
+    bench = Bench(case) if kv_dtype == DTYPE else Bench(case).with_kv_dtype(kv_dtype)
+    v_word = bench.triton_fn()[0].v_word  # how the default configuration reads fp8 V
     for block_n in (32, 64, 128, 256):
         for warps in (4, 8):
             for stages in (2, 3, 4):
                 if case.decode:
-                    grid.append(KernelConfig(1, 16, block_n, warps, stages, 1))
+                    grid.append(KernelConfig(1, 16, block_n, warps, stages, 1, v_word))
                 else:
                     for block_m in (64, 128):
                         grid.append(KernelConfig(block_m // group, block_m, block_n, warps,
-                                                 stages, 1))
-    bench = Bench(case) if kv_dtype == DTYPE else Bench(case).with_kv_dtype(kv_dtype)
+                                                 stages, 1, v_word))
     results = []
     for cfg in grid:
         try:

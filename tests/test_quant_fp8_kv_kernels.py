@@ -22,6 +22,7 @@ CUDA-graph replay against eager with scales changed after capture.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 from typing import ClassVar
@@ -55,10 +56,11 @@ K_SCALE, V_SCALE = 0.25, 2.5
 
 def run_fp8(backend, context_lens, query_lens, num_heads, num_kv_heads, kv_dtype,
             head_size=16, block_size=4, dtype=torch.float32, device="cpu", splits=None,
-            scales=(K_SCALE, V_SCALE), seed=0, **spec_extra):
+            scales=(K_SCALE, V_SCALE), seed=0, v_word=None, **spec_extra):
     """One step of ``backend`` over an fp8 cache whose context was written by ``quantize_kv``;
     returns the output, the float64 reference over the dequantized cache, the cache and the
-    batch."""
+    batch. ``v_word`` (TRITON_ATTN) overrides how the kernel reads V: as bytes (1) or as
+    words of 2 or 4 fp8 values."""
     dev = torch.device(device)
     spec = AttentionSpec.for_device(dev, dtype=dtype, kv_cache_dtype=kv_dtype,
                                     head_size=head_size, num_heads=num_heads,
@@ -86,7 +88,10 @@ def run_fp8(backend, context_lens, query_lens, num_heads, num_kv_heads, kv_dtype
     scale = head_size**-0.5
     impl = backend.get_impl_cls()(num_heads, head_size, scale, num_kv_heads, spec)
     impl.k_scale, impl.v_scale = k_scale, v_scale
-    out = impl.forward(batch.query, batch.key, batch.value, cache, builder.build(batch.common))
+    metadata = builder.build(batch.common)
+    if v_word is not None:
+        metadata.kernel = dataclasses.replace(metadata.kernel, v_word=v_word)
+    out = impl.forward(batch.query, batch.key, batch.value, cache, metadata)
 
     def stored(x, s):  # what the cache holds for x (written in the model dtype), read back
         return dequantize_kv(quantize_kv(x.to(dtype), s.cpu(), kv_dtype), s.cpu(),
@@ -120,6 +125,54 @@ def test_triton_fp8_float16_queries_split_kv_window_and_soft_cap(kv_dtype):
     out, ref, _, _ = run_fp8(TritonAttentionBackend, *CASES["mixed"], 4, 2, kv_dtype,
                              sliding_window=5, logits_soft_cap=2.0)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("kv_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("v_word", [2, 4])
+def test_triton_fp8_v_read_as_words_matches_float64_reference(case, kv_dtype, v_word):
+    """V read as words of 2 or 4 fp8 values, one dot per byte residue of d, on every kind of
+    batch (decode tiles read V so; prefill tiles share the kernel). A residue written to the
+    wrong columns, or a byte unpacked from the wrong place, is off by O(1)."""
+    out, ref, _, _ = run_fp8(TritonAttentionBackend, *CASES[case], 8, 2, kv_dtype, head_size=64,
+                             v_word=v_word)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("v_word", [2, 4])
+def test_triton_fp8_v_words_with_splits_pages_padded_heads_and_float16(kv_dtype, v_word):
+    # Split-KV decode (the partial outputs go out per residue too), pages of 16 and of 5
+    # tokens, GQA 8/1.
+    for splits, block_size in ((3, 16), (4, 5)):
+        out, ref, _, _ = run_fp8(TritonAttentionBackend, [37, 5, 64], [1, 1, 1], 8, 1,
+                                 kv_dtype, head_size=64, block_size=block_size, splits=splits,
+                                 v_word=v_word)
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    # Head size 40 padded to 64: the words past the head are masked on load and store.
+    out, ref, _, _ = run_fp8(TritonAttentionBackend, *CASES["mixed"], 4, 2, kv_dtype,
+                             head_size=40, v_word=v_word)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    # float16 queries (the GPU multiplies in fp16), with a window and a soft cap.
+    out, ref, _, _ = run_fp8(TritonAttentionBackend, *CASES["mixed"], 4, 2, kv_dtype,
+                             head_size=64, dtype=torch.float16, v_word=v_word,
+                             sliding_window=5, logits_soft_cap=2.0)
+    torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=2e-3)
+
+
+def test_fp8_decode_tiles_read_v_as_words_prefill_tiles_as_bytes():
+    from hitchllm_attention_triton.config import choose_kernel_config
+
+    def v_word(max_query_len=1, kv_bytes=1, head_size=128, on_gpu=True):
+        return choose_kernel_config(num_reqs=64, max_query_len=max_query_len, max_seq_len=2048,
+                                    num_kv_heads=8, group=4, head_size=head_size, num_sms=132,
+                                    on_gpu=on_gpu, kv_bytes=kv_bytes).v_word
+
+    assert v_word() == v_word(max_query_len=4) == v_word(on_gpu=False) == 2
+    assert v_word(kv_bytes=2) == 1  # a bf16 cache is read as it is
+    assert v_word(max_query_len=512) == 1  # prefill tiles: bytes (not measured with words)
+    assert v_word(head_size=16) == 1  # each residue's dot would get 8 columns, under 16
+    assert v_word(head_size=40) == 2
 
 
 @pytest.mark.parametrize("kv_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
@@ -201,11 +254,14 @@ def set_kv_scales(llm: LLM, k_scale: float, v_scale: float) -> LLM:
 
 
 @pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2"])
-def test_triton_engine_fp8_tokens_equal_torch_backend_fp8(tiny_models, kv):
+@pytest.mark.parametrize("head_size", [16, 64])
+def test_triton_engine_fp8_tokens_equal_torch_backend_fp8(request, tiny_models, kv, head_size):
     """The same fp8 cache (written bit for bit alike) read by TRITON_ATTN and by the TORCH
     reference: equal greedy tokens, with scales that are not powers of two (so a backend
-    that skipped them would store and read different values)."""
-    path = tiny_models["Qwen3ForCausalLM"]
+    that skipped them would store and read different values). With head size 64 the decode
+    steps read V as words."""
+    path = (tiny_models["Qwen3ForCausalLM"] if head_size == 16
+            else request.getfixturevalue("tiny64"))
     prompts = mixed_prompts(5, lengths=(3, 11, 26))
     kw = dict(block_size=4, kv_cache_dtype=kv, dtype="float32")
     expected = run(set_kv_scales(LLM(path, attention_backend="TORCH", **kw), 0.3, 1.7),
@@ -346,6 +402,20 @@ def test_gpu_fp8_matches_float64_reference(name, case, kv_dtype):
     written = cache[1].view(torch.uint8).view(-1, 8, 128)[slots]
     expected = quantize_kv(batch.value, torch.tensor(V_SCALE, device="cuda"), kv_dtype)
     assert torch.equal(written, expected.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(GPU_CASES))
+@pytest.mark.parametrize("kv_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("v_word", [1, 2, 4])
+def test_gpu_triton_fp8_each_way_of_reading_v(case, kv_dtype, v_word):
+    """V as bytes, or as 16- or 32-bit words unpacked by inline PTX, on decode and prefill
+    tiles alike."""
+    _usable("TRITON_ATTN", kv_dtype)
+    out, ref, _, _ = run_fp8(TritonAttentionBackend, *GPU_CASES[case], 32, 8, kv_dtype,
+                             head_size=128, block_size=16, dtype=torch.bfloat16, device="cuda",
+                             v_word=v_word)
+    torch.testing.assert_close(out.double().cpu(), ref, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu

@@ -28,6 +28,8 @@ FP8_FORMATS = {
     torch.float8_e4m3fn: (448.0, 3, -6),
     torch.float8_e5m2: (57344.0, 2, -14),
 }
+#: The dtype of fp8 V's words of 2 or 4 values.
+V_WORD_DTYPES = {2: torch.int16, 4: torch.int32}
 
 
 @dataclass
@@ -181,6 +183,9 @@ class TritonAttentionImpl(AttentionImpl):
         decode = metadata.tile_req is None
         tile_req = metadata.seq_lens if decode else metadata.tile_req  # unused when decoding
         tile_q0 = metadata.seq_lens if decode else metadata.tile_q0
+        v_word = cfg.v_word if fp8 else 1
+        if v_word > 1:  # fp8 V read as words of v_word values (see kernels.py)
+            value_cache = value_cache.view(V_WORD_DTYPES[v_word])
         kernels.paged_attention[grid](
             out, query, key_cache, value_cache,
             metadata.block_table, metadata.seq_lens, metadata.query_start_loc,
@@ -194,7 +199,9 @@ class TritonAttentionImpl(AttentionImpl):
             HEAD_PAD=head_pad, BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             PAGE=key_cache.shape[1], USE_SOFTCAP=spec.logits_soft_cap is not None,
             WINDOW=spec.sliding_window or 0, NUM_SPLITS=splits, DECODE=decode,
-            FP8=fp8 is not None,
+            FP8=fp8 is not None, V_WORD=v_word,
+            # Inline PTX unpacks fp8 words on NVIDIA GPUs; Triton's casts elsewhere.
+            ASM_CVT=v_word > 1 and query.device.type == "cuda" and torch.version.hip is None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if splits > 1:

@@ -18,6 +18,9 @@ class KernelConfig:
     num_warps: int
     num_stages: int
     num_splits: int  # > 1: split-KV ("flash decoding")
+    # fp8 cache: V read as words of this many fp8 values (1: as bytes; 2 or 4: one dot per
+    # byte residue of the head dimension, see kernels.py)
+    v_word: int = 1
 
 
 def _pow2_at_least(n: int) -> int:
@@ -32,6 +35,10 @@ def choose_kernel_config(
     """The configuration for one step's batch; ``kv_bytes`` is the cache's bytes per element
     (1 for fp8)."""
     decode_only = max_query_len == 1
+    # fp8 V in words of two values reaches the tensor cores through 16-bit shared loads instead
+    # of one load per byte (TUNING.md entry 9): decode-sized tiles (prefill tiles are not
+    # measured yet) whose two residue dots get 16 columns or more.
+    v_word = 2 if kv_bytes == 1 and head_size % 2 == 0 and head_size > 16 else 1
     if decode_only:
         block_m = max(16, _pow2_at_least(group))
         block_q = 1
@@ -52,6 +59,7 @@ def choose_kernel_config(
         block_q = max(1, block_m // group)
         block_n = 32 if on_gpu else 16
         num_warps, num_stages = (8, 2) if on_gpu else (4, 1)
+        v_word = 1
         if on_gpu and head_size > 128:  # keep the [BLOCK_M, head] accumulator in registers
             block_m = max(64, _pow2_at_least(group))
             block_q = max(1, block_m // group)
@@ -68,4 +76,4 @@ def choose_kernel_config(
             # contexts grew, and eager steps stalled on the compiles (an 8B model's eager
             # throughput run spent most of its time there); seven values cover them all.
             splits = 1 << (splits.bit_length() - 1)
-    return KernelConfig(block_q, block_m, block_n, num_warps, num_stages, max(1, splits))
+    return KernelConfig(block_q, block_m, block_n, num_warps, num_stages, max(1, splits), v_word)

@@ -21,6 +21,16 @@ probabilities ``p`` lose less in the cast, too). The layer's scales never touch 
 ``k_scale`` multiplies the softmax scale and ``v_scale`` the output, which is exact since
 scores and output are linear in K and V.
 
+How V reaches the tensor cores (``V_WORD``): V is laid out d-contiguous, and the GPU's
+transposing shared-memory loads only handle 16-bit elements, so an fp8 V tile read as bytes
+(``V_WORD`` 1) is loaded one byte per instruction (TUNING.md entry 8). With ``V_WORD`` 2 or 4
+V is read as 16- or 32-bit words of that many fp8 values along d, byte ``j`` of every word is
+unpacked to fp16, and the product with V splits into ``V_WORD`` dots, one per residue ``j`` of
+d mod ``V_WORD``: accumulator ``j`` holds output columns ``V_WORD * w + j``, written back to
+their places at the end. The caller passes V's cache viewed as int16 / int32 words. On CUDA
+(``ASM_CVT``) the unpacking is one ``cvt.rn.f16x2.e4m3x2`` (or e5m2) per 16 bits in inline
+PTX; elsewhere (the interpreter) Triton's casts compute the same values.
+
 With ``NUM_SPLITS > 1`` (decode batches too small to fill the GPU, "flash decoding"), program
 axis 2 splits the context into ranges; each writes its normalized partial output and its
 log-sum-exp, and ``merge_splits`` combines them: ``o = sum_i exp(lse_i - lse) o_i`` with
@@ -31,6 +41,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from hitchllm_attention_triton import fp8_words
 
 _LOG2E = 1.4426950408889634
 
@@ -85,12 +97,16 @@ def write_kv_cache(
 
 @triton.jit
 def _attend_tile(
-    q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row, kv_head_off, start,
-    kv_end, q_pos, d, d_mask, qk_scale, soft_cap,
+    q, m_i, l_i, acc0, acc1, acc2, acc3, k_cache_ptr, v_cache_ptr, block_table_row,
+    kv_head_off, start, kv_end, q_pos, d, d_mask, qk_scale, soft_cap,
     stride_blk, stride_tok,
     MASKED: tl.constexpr, USE_SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PAD_D: tl.constexpr, FP8: tl.constexpr,
+    V_WORD: tl.constexpr, ASM_CVT: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
+    """One ``BLOCK_N``-token tile of the online softmax. ``acc0`` is the output accumulator;
+    with V read as words (``V_WORD`` 2 or 4), ``acc0``.. ``acc3`` are those of the residues
+    of d (the ones past ``V_WORD`` are passed through untouched)."""
     pos = start + tl.arange(0, BLOCK_N)
     in_ctx = pos < kv_end
     if MASKED:
@@ -127,14 +143,57 @@ def _attend_tile(
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if MASKED or PAD_D:
-        v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+    if V_WORD == 1:
+        if MASKED or PAD_D:
+            v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+        else:
+            v = tl.load(v_cache_ptr + kv_ptrs)
+        if FP8:  # stored V / v_scale (the caller multiplies the output by v_scale), in q's dtype
+            v = v.to(q.dtype)
+        acc0 = acc0 * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     else:
-        v = tl.load(v_cache_ptr + kv_ptrs)
-    if FP8:  # stored V / v_scale (the caller multiplies the output by v_scale), in q's dtype
-        v = v.to(q.dtype)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc
+        acc0, acc1, acc2, acc3 = _attend_v_words(
+            p, alpha, acc0, acc1, acc2, acc3, v_cache_ptr, off, in_ctx, q.dtype,
+            k_cache_ptr.dtype.element_ty, MASKED or PAD_D, d.shape[0], V_WORD, ASM_CVT, HEAD_DIM)
+    return m_new, l_i, acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _attend_v_words(
+    p, alpha, acc0, acc1, acc2, acc3, v_words_ptr, off, in_ctx, dot_dtype: tl.constexpr,
+    fp8_type: tl.constexpr, MASKED: tl.constexpr, HEAD_PAD: tl.constexpr, V_WORD: tl.constexpr,
+    ASM_CVT: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """``acc_j = acc_j * alpha + p @ V[:, V_WORD * w + j]`` for each residue ``j``, V read as
+    ``V_WORD``-byte words (``off``: each token's offset in elements, a multiple of ``V_WORD``,
+    as is ``HEAD_DIM``)."""
+    dw = tl.arange(0, HEAD_PAD // V_WORD)
+    w_ptrs = v_words_ptr + (off // V_WORD)[:, None] + dw[None, :]
+    if MASKED:
+        # (dw < HEAD_DIM // V_WORD, not dw * V_WORD < HEAD_DIM: the compiler sees the former
+        # constant along runs of words and vectorizes the load)
+        w = tl.load(w_ptrs, mask=in_ctx[:, None] & (dw < HEAD_DIM // V_WORD)[None, :], other=0)
+    else:
+        w = tl.load(w_ptrs)
+    if ASM_CVT:
+        if V_WORD == 2:
+            v0, v1 = fp8_words.pairs_to_fp16(w, fp8_type == tl.float8e5)
+        else:
+            v0, v1, v2, v3 = fp8_words.quads_to_fp16(w, fp8_type == tl.float8e5)
+    else:
+        w = w.to(tl.int32)  # 16-bit words sign-extend; the byte masks drop the sign bits
+        v0 = fp8_words.byte_to_fp16(w, 0, fp8_type)
+        v1 = fp8_words.byte_to_fp16(w, 1, fp8_type)
+        if V_WORD == 4:
+            v2 = fp8_words.byte_to_fp16(w, 2, fp8_type)
+            v3 = fp8_words.byte_to_fp16(w, 3, fp8_type)
+    p = p.to(dot_dtype)
+    acc0 = acc0 * alpha[:, None] + tl.dot(p, v0.to(dot_dtype))
+    acc1 = acc1 * alpha[:, None] + tl.dot(p, v1.to(dot_dtype))
+    if V_WORD == 4:
+        acc2 = acc2 * alpha[:, None] + tl.dot(p, v2.to(dot_dtype))
+        acc3 = acc3 * alpha[:, None] + tl.dot(p, v3.to(dot_dtype))
+    return acc0, acc1, acc2, acc3
 
 
 @triton.jit
@@ -150,6 +209,7 @@ def paged_attention(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DECODE: tl.constexpr, FP8: tl.constexpr,
+    V_WORD: tl.constexpr = 1, ASM_CVT: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -183,7 +243,12 @@ def paged_attention(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    # One accumulator per residue of d mod V_WORD (V_WORD 1: acc0 alone, all of d); those
+    # past V_WORD pass through the tiles unused.
+    acc0 = tl.zeros([BLOCK_M, HEAD_PAD // V_WORD], tl.float32)
+    acc1 = acc0
+    acc2 = acc0
+    acc3 = acc0
 
     # Context this tile may see: up to its last query's position; from the window's start.
     kv_end = tl.minimum(seq_len, ctx_len + q0 + BLOCK_Q)
@@ -202,30 +267,67 @@ def paged_attention(
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
     kv_head_off = kv_head * stride_head
     for start in range(kv_start, unmasked_end, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, kv_head_off, start, kv_end,
-            q_pos, d, d_mask, qk_scale, soft_cap, stride_blk, stride_tok,
-            False, USE_SOFTCAP, WINDOW, BLOCK_N, PAGE, HEAD_PAD != HEAD_DIM, FP8)
+        m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile(
+            q, m_i, l_i, acc0, acc1, acc2, acc3, k_cache_ptr, v_cache_ptr, bt_row, kv_head_off,
+            start, kv_end, q_pos, d, d_mask, qk_scale, soft_cap, stride_blk, stride_tok,
+            False, USE_SOFTCAP, WINDOW, BLOCK_N, PAGE, HEAD_PAD != HEAD_DIM, FP8, V_WORD,
+            ASM_CVT, HEAD_DIM)
     for start in range(unmasked_end, kv_end, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, kv_head_off, start, kv_end,
-            q_pos, d, d_mask, qk_scale, soft_cap, stride_blk, stride_tok,
-            True, USE_SOFTCAP, WINDOW, BLOCK_N, PAGE, HEAD_PAD != HEAD_DIM, FP8)
+        m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile(
+            q, m_i, l_i, acc0, acc1, acc2, acc3, k_cache_ptr, v_cache_ptr, bt_row, kv_head_off,
+            start, kv_end, q_pos, d, d_mask, qk_scale, soft_cap, stride_blk, stride_tok,
+            True, USE_SOFTCAP, WINDOW, BLOCK_N, PAGE, HEAD_PAD != HEAD_DIM, FP8, V_WORD,
+            ASM_CVT, HEAD_DIM)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    if FP8:  # the weighted sum of stored V, times v_scale (splits merge linearly)
-        out = out * tl.load(v_scale_ptr)
-    out_mask = row_valid[:, None] & d_mask[None, :]
+    if V_WORD == 1:
+        out = acc0 / l_safe[:, None]
+        if FP8:  # the weighted sum of stored V, times v_scale (splits merge linearly)
+            out = out * tl.load(v_scale_ptr)
+        _store_output(out_ptr, partial_out_ptr, partial_lse_ptr, out, d, d_mask, m_i, l_i,
+                      l_safe, token, head, row_valid, split, num_tokens, num_heads, stride_o_t,
+                      stride_o_h, HEAD_PAD, NUM_SPLITS, True)
+    else:  # residue j's accumulator holds the columns V_WORD * w + j
+        v_scale = tl.load(v_scale_ptr)
+        dw = tl.arange(0, HEAD_PAD // V_WORD)
+        cols = dw * V_WORD
+        w_mask = dw < HEAD_DIM // V_WORD
+        _store_output(out_ptr, partial_out_ptr, partial_lse_ptr, acc0 / l_safe[:, None] * v_scale,
+                      cols, w_mask, m_i, l_i, l_safe, token, head, row_valid, split,
+                      num_tokens, num_heads, stride_o_t, stride_o_h, HEAD_PAD, NUM_SPLITS, True)
+        _store_output(out_ptr, partial_out_ptr, partial_lse_ptr, acc1 / l_safe[:, None] * v_scale,
+                      cols + 1, w_mask, m_i, l_i, l_safe, token, head, row_valid, split,
+                      num_tokens, num_heads, stride_o_t, stride_o_h, HEAD_PAD, NUM_SPLITS, False)
+        if V_WORD == 4:
+            _store_output(out_ptr, partial_out_ptr, partial_lse_ptr,
+                          acc2 / l_safe[:, None] * v_scale, cols + 2, w_mask, m_i, l_i,
+                          l_safe, token, head, row_valid, split, num_tokens, num_heads,
+                          stride_o_t, stride_o_h, HEAD_PAD, NUM_SPLITS, False)
+            _store_output(out_ptr, partial_out_ptr, partial_lse_ptr,
+                          acc3 / l_safe[:, None] * v_scale, cols + 3, w_mask, m_i, l_i,
+                          l_safe, token, head, row_valid, split, num_tokens, num_heads,
+                          stride_o_t, stride_o_h, HEAD_PAD, NUM_SPLITS, False)
+
+
+@triton.jit
+def _store_output(
+    out_ptr, partial_out_ptr, partial_lse_ptr, out, cols, col_mask, m_i, l_i, l_safe, token,
+    head, row_valid, split, num_tokens, num_heads, stride_o_t, stride_o_h,
+    HEAD_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, WITH_LSE: tl.constexpr,
+):
+    """Columns ``cols`` of the normalized output: into ``out_ptr`` [token, head, d] or, split,
+    as partial results [split, token, head, d], with (``WITH_LSE``) the rows' base-2
+    log-sum-exp [split, token, head]."""
+    out_mask = row_valid[:, None] & col_mask[None, :]
     if NUM_SPLITS == 1:
-        tl.store(out_ptr + token[:, None] * stride_o_t + head[:, None] * stride_o_h + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(out_ptr + token[:, None] * stride_o_t + head[:, None] * stride_o_h
+                 + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        # Partial results: [split, token, head, d] and the base-2 log-sum-exp [split, token, head].
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         row = (split * num_tokens + token) * num_heads + head
-        tl.store(partial_out_ptr + row[:, None] * HEAD_PAD + d[None, :], out, mask=out_mask)
-        tl.store(partial_lse_ptr + row, lse, mask=row_valid)
+        tl.store(partial_out_ptr + row[:, None] * HEAD_PAD + cols[None, :], out, mask=out_mask)
+        if WITH_LSE:
+            tl.store(partial_lse_ptr + row, lse, mask=row_valid)
 
 
 @triton.jit
