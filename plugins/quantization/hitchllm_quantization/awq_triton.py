@@ -185,6 +185,48 @@ def awq_dot_kernel(
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def awq_tiles_kernel(
+    x_ptr, qweight_ptr, zeros_ptr, scales_ptr, out_ptr,
+    M, N, K,
+    stride_xm, stride_xk, stride_om, stride_on,
+    M_BUCKET,  # unused: the autotuning key, M rounded up to a power of two
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PTX: tl.constexpr,
+):
+    """One ``[BLOCK_M, BLOCK_N]`` output tile with one ``tl.dot`` per ``BLOCK_K`` tile, for
+    batches whose multiply outweighs the unpacking: the tile's eight nibbles of each word
+    (``[8, BLOCK_K // 8, BLOCK_N]``) are dequantized together and merged into
+    ``[BLOCK_K, BLOCK_N]`` rows in nibble-major order (row ``i * BLOCK_K // 8 + r`` holds input
+    ``8 r + i``), and ``x``'s columns are loaded in the same order."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    first, last = _split_k_tiles(K, pid_k, BLOCK_K, SPLIT_K)
+    c = tl.arange(0, BLOCK_K)  # row of the merged tile: nibble c // (BLOCK_K // 8), word row
+    shifts = 4 * tl.arange(0, 8)
+    for t in range(first, last):
+        words = _load_words(qweight_ptr, t, rn, N, K, BLOCK_K)
+        k = t * BLOCK_K + 8 * (c % (BLOCK_K // 8)) + c // (BLOCK_K // 8)
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :] * stride_xk,
+                    mask=(rm < M)[:, None] & (k < K)[None, :], other=0.0)
+        s16, zs = _group_scales(zeros_ptr, scales_ptr, t, rn, N, K, GROUP_SIZE, BLOCK_K)
+        q = ((words[None, :, :] >> shifts[:, None, None]) & 0xF).to(tl.float32)
+        w = q * (s16 / 16.0)[None, :, :] - (zs - s16)[None, :, :]  # (q - z) s
+        w = tl.reshape(w, (BLOCK_K, BLOCK_N))
+        acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
+    out = out_ptr + rm[:, None] * stride_om + rn[None, :] * stride_on
+    mask = (rm < M)[:, None] & (rn < N)[None, :]
+    if SPLIT_K > 1:
+        tl.atomic_add(out, acc, mask=mask)
+    else:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def _config(split_k: int, warps: int, stages: int, **tile: int) -> triton.Config:
     return triton.Config({**tile, "SPLIT_K": split_k}, num_warps=warps, num_stages=stages)
 
