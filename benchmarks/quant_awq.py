@@ -1,6 +1,6 @@
 """AWQ int4 weights (hitchllm-quantization's Triton kernel) vs a bf16 ``F.linear``, at a
 Llama-8B layer's shapes (K x N: 4096 x 14336 gate/up, 14336 x 4096 down, 4096 x 4096 o) and
-batch M = 1, 2, 4, 8, 16 (decode; 64 for reference), group size 128.
+batch M = 1, 2, 4, 8, 16 (decode), 64, 256 and 2048 (prompts), group size 128.
 
 The int4 weight is a round-to-nearest quantization of a random bf16 weight; each output is
 checked against ``F.linear`` on the dequantized weight. Times are device times (CUDA events)
@@ -32,7 +32,7 @@ from hitchllm_quantization.awq_triton import PATHS, awq_gemm, gemv_config, selec
 from results_md import append_results, entry_heading
 
 SHAPES = ((4096, 14336), (14336, 4096), (4096, 4096))  # (K, N)
-BATCHES = (1, 2, 4, 8, 16, 64)
+BATCHES = (1, 2, 4, 8, 16, 64, 256, 2048)
 GROUP = 128
 DTYPE = torch.bfloat16
 
@@ -59,6 +59,8 @@ def copies(nbytes: int) -> int:
 
 def best_config(path: str, n: int, k: int) -> str:
     """The tile ``path`` ran: the GEMV's rule, or the autotuner's choice."""
+    if path == "dequantize":
+        return "dequantize + F.linear"
     if path == "gemv":
         tile = gemv_config(n, k, GROUP)
         warps, stages = tile.pop("num_warps"), tile.pop("num_stages")

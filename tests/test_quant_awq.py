@@ -207,7 +207,8 @@ TILES = {
     "gemv_tile_is_group": ("gemv", {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 1}),
     "split_k": ("split_k", {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 3}),
     "tiles": ("tiles", {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 1}),
-    "tiles_wide": ("tiles", {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1}),
+    "tiles_split_k": ("tiles", {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 2}),
+    "dequantize": ("dequantize", None),
 }
 
 

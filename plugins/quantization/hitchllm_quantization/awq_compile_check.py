@@ -51,9 +51,9 @@ def main() -> None:
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") != "0":
         raise SystemExit("unset TRITON_INTERPRET: the interpreter does not compile kernels")
-    from hitchllm_quantization.awq_triton import DOT_CONFIGS, SMALL_DOT_CONFIGS, gemv_config
+    from hitchllm_quantization.awq_triton import SMALL_DOT_CONFIGS, TILE_CONFIGS, gemv_config
 
-    for path, configs in (("gemv", None), ("split_k", SMALL_DOT_CONFIGS), ("tiles", DOT_CONFIGS)):
+    for path, configs in (("gemv", None), ("split_k", SMALL_DOT_CONFIGS), ("tiles", TILE_CONFIGS)):
         for group_size in (128, 32):
             if configs is None:  # the GEMV's rule, at a Llama-8B down projection
                 tile = gemv_config(4096, 14336, group_size)

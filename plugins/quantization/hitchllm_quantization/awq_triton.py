@@ -1,29 +1,28 @@
-"""Triton dequantize-and-multiply GEMMs for AWQ int4 weights: ``out = x @ W.T``.
+"""Triton kernels for AWQ int4 weights: ``out = x @ W.T``.
 
 The kernels read the weight in the K-packed layout of ``awq_packing.pack_along_k`` (made once
 at load from AWQ's GEMM packing): int32 ``[K // 8, N]`` whose nibble ``i`` of word ``[r, n]``
 is ``q[8r + i, n]``, with zero points as uint8 ``[K // G, N]`` and AWQ's float16 scales. A
-word's eight values then share one output column and one quantization group, and nibble ``i``
-of a whole tile of words is one shift and one mask away from a float: ``_nibble_floats`` puts
-it in mantissa bits 19-22 of the float ``1.0``, which reads ``1 + q / 16`` (no conversion
-instruction, which runs at a quarter of the FMA rate). Unpacking needs no reshapes; every
-tile stays in the layout it was loaded in.
+word's eight values then share one output column and one quantization group.
 
-Per group, ``sum_k x_k (q_k - z) s = s (16 P - (16 + z) X)`` with
-``P = sum_k x_k (1 + q_k / 16)``
-and ``X = sum_k x_k``: the GEMV multiplies each int4 value once (one FMA after the shift and
-mask) and applies zero point and scale once per word row and column.
+Four paths; ``select_path`` picks one by the batch's size:
 
-Two kernels; ``select_path`` picks one by the batch's size:
+- ``gemv`` (one row, decode of one sequence): no tensor cores. Nibble ``i`` of a whole tile
+  of words is one shift and one ``lop3`` away from a float (``_nibble_floats`` puts it in
+  mantissa bits 19-22 of ``1.0``, which reads ``1 + q / 16``; no conversion instruction, which
+  runs at a quarter of the FMA rate), and per group ``sum_k x_k (q_k - z) s = s (16 P -
+  (16 + z) X)`` with ``P = sum_k x_k (1 + q_k / 16)`` and ``X = sum_k x_k``: one FMA per int4
+  value, zero point and scale once per word row and column. Wide, short tiles let a warp share
+  its ``x`` loads; a program owns ``BLOCK_N`` columns and a share of the groups (``SPLIT_K``).
+- ``split_k`` (a few rows): each ``BLOCK_K`` tile is dequantized nibble by nibble into eight
+  ``[BLOCK_K // 8, BLOCK_N]`` slices in ``x``'s dtype, each multiplied with ``tl.dot`` by the
+  matching strided columns of ``x``; the K range is split so that the GPU fills.
+- ``tiles`` (tens of rows): the tile's eight nibbles are dequantized together and merged into
+  one ``[BLOCK_K, BLOCK_N]`` tile in input order, one ``tl.dot`` per tile.
+- ``dequantize`` (hundreds of rows and more, prompts): the float weight is written once and
+  multiplied by ``F.linear``.
 
-- ``gemv`` (``M <= GEMV_MAX_M``): no tensor cores; a program owns ``BLOCK_N`` columns of one
-  row and a share of K (``SPLIT_K``), accumulating ``[BLOCK_K // 8, BLOCK_N]`` float32 partial
-  sums, reduced over K once at the end;
-- ``dot``: each ``BLOCK_K`` tile is dequantized nibble by nibble into eight bfloat16 (or the
-  input's dtype) ``[BLOCK_K // 8, BLOCK_N]`` slices, each multiplied with ``tl.dot`` by the
-  matching strided columns of ``x``; ``SPLIT_K > 1`` for the small batches of decode.
-
-The GEMV's tile follows a rule of the layer's shape (``gemv_config``); the dot kernel is
+The GEMV's tile follows a rule of the layer's shape (``gemv_config``); the dot kernels are
 autotuned over a few tiles keyed by the batch's power-of-two bucket and the layer's shape, on
 the first call of each, which the engine makes eagerly before capturing CUDA graphs. With
 ``SPLIT_K > 1`` programs add their partial sums into a zeroed float32 buffer
@@ -33,13 +32,15 @@ the first call of each, which the engine makes eagerly before capturing CUDA gra
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from hitchllm_quantization.awq_packing import PACK_FACTOR
 
 GEMV_MAX_M = 1  # batches up to this size take the GEMV path
-SMALL_M = 16  # the dot path splits K for batches up to this size
+SMALL_M = 8  # then the sliced dot kernel with K splits, up to this size
+TILES_MAX_M = 64  # then the merged-tile dot kernel, up to this size; above, F.linear
 
 
 @triton.jit
@@ -195,11 +196,11 @@ def awq_tiles_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PTX: tl.constexpr,
 ):
-    """One ``[BLOCK_M, BLOCK_N]`` output tile with one ``tl.dot`` per ``BLOCK_K`` tile, for
-    batches whose multiply outweighs the unpacking: the tile's eight nibbles of each word
-    (``[8, BLOCK_K // 8, BLOCK_N]``) are dequantized together and merged into
-    ``[BLOCK_K, BLOCK_N]`` rows in nibble-major order (row ``i * BLOCK_K // 8 + r`` holds input
-    ``8 r + i``), and ``x``'s columns are loaded in the same order."""
+    """One ``[BLOCK_M, BLOCK_N]`` output tile over K split ``program_id(2)`` with one
+    ``tl.dot`` per ``BLOCK_K`` tile: all eight nibbles of the tile's words are dequantized
+    together (``[BLOCK_K // 8, 8, BLOCK_N]``, word row by nibble) and merged into the
+    ``[BLOCK_K, BLOCK_N]`` tile in input order, for batches whose multiply outweighs the
+    unpacking (``PTX`` is unused)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -207,16 +208,15 @@ def awq_tiles_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     first, last = _split_k_tiles(K, pid_k, BLOCK_K, SPLIT_K)
-    c = tl.arange(0, BLOCK_K)  # row of the merged tile: nibble c // (BLOCK_K // 8), word row
     shifts = 4 * tl.arange(0, 8)
     for t in range(first, last):
         words = _load_words(qweight_ptr, t, rn, N, K, BLOCK_K)
-        k = t * BLOCK_K + 8 * (c % (BLOCK_K // 8)) + c // (BLOCK_K // 8)
+        k = t * BLOCK_K + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :] * stride_xk,
                     mask=(rm < M)[:, None] & (k < K)[None, :], other=0.0)
         s16, zs = _group_scales(zeros_ptr, scales_ptr, t, rn, N, K, GROUP_SIZE, BLOCK_K)
-        q = ((words[None, :, :] >> shifts[:, None, None]) & 0xF).to(tl.float32)
-        w = q * (s16 / 16.0)[None, :, :] - (zs - s16)[None, :, :]  # (q - z) s
+        q = ((words[:, None, :] >> shifts[None, :, None]) & 0xF).to(tl.float32)
+        w = q * (s16 / 16.0)[:, None, :] - (zs - s16)[:, None, :]  # (q - z) s
         w = tl.reshape(w, (BLOCK_K, BLOCK_N))
         acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
     out = out_ptr + rm[:, None] * stride_om + rn[None, :] * stride_on
@@ -227,6 +227,25 @@ def awq_tiles_kernel(
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def awq_dequantize_kernel(qweight_ptr, zeros_ptr, scales_ptr, w_ptr, N, K,
+                          GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    """``W[n, k]`` (``[N, K]``, ``w``'s dtype) of K tile ``program_id(0)``, columns of tile
+    ``program_id(1)``: each word's eight values are eight consecutive ``k`` of one row."""
+    t = tl.program_id(0)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    words = _load_words(qweight_ptr, t, rn, N, K, BLOCK_K)
+    s16, zs = _group_scales(zeros_ptr, scales_ptr, t, rn, N, K, GROUP_SIZE, BLOCK_K)
+    nibble = tl.arange(0, 8)
+    q = ((words[:, :, None] >> (4 * nibble)[None, None, :]) & 0xF).to(tl.float32)
+    w = q * (s16 / 16.0)[:, :, None] - (zs - s16)[:, :, None]  # (q - z) s
+    rr = t * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+    ptrs = w_ptr + rn[None, :, None] * K + (8 * rr)[:, None, None] + nibble[None, None, :]
+    ok = (rr < K // 8)[:, None, None] & (rn < N)[None, :, None]
+    tl.store(ptrs, w.to(w_ptr.dtype.element_ty), mask=ok)
+
+
 def _config(split_k: int, warps: int, stages: int, **tile: int) -> triton.Config:
     return triton.Config({**tile, "SPLIT_K": split_k}, num_warps=warps, num_stages=stages)
 
@@ -235,11 +254,11 @@ SMALL_DOT_CONFIGS = [
     _config(split_k, 4, stages, BLOCK_M=16, BLOCK_N=n, BLOCK_K=128)
     for n in (64, 128) for split_k in (4, 8) for stages in (2, 3)
 ]
-DOT_CONFIGS = [
-    _config(1, warps, stages, BLOCK_M=m, BLOCK_N=n, BLOCK_K=128)
-    for m, n, warps, stages in (
-        (32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3), (64, 128, 8, 3), (128, 128, 8, 3),
-        (128, 64, 4, 3), (128, 256, 8, 3),
+TILE_CONFIGS = SMALL_DOT_CONFIGS + [
+    _config(1, warps, stages, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k)
+    for m, n, k, warps, stages in (
+        (64, 128, 128, 4, 3), (128, 128, 128, 8, 3), (64, 64, 128, 4, 3), (32, 64, 128, 4, 3),
+        (128, 128, 64, 8, 3),
     )
 ]
 
@@ -261,21 +280,40 @@ def _autotuned(kernel, configs: list[triton.Config], atomic: bool):
                            reset_to_zero=["out_ptr"] if atomic else None)(kernel)
 
 
-PATHS = {  # name -> (kernel, autotuned kernel; None: ``gemv_config``'s tile)
+PATHS = {  # name -> (kernel, autotuned kernel; None: a tile of its own rule)
     "gemv": (awq_gemv_kernel, None),
     "split_k": (awq_dot_kernel, _autotuned(awq_dot_kernel, SMALL_DOT_CONFIGS, True)),
-    "tiles": (awq_dot_kernel, _autotuned(awq_dot_kernel, DOT_CONFIGS, False)),
+    "tiles": (awq_tiles_kernel, _autotuned(awq_tiles_kernel, TILE_CONFIGS, True)),
+    "dequantize": (awq_dequantize_kernel, None),
 }
+DEQUANTIZE_TILE = {"BLOCK_N": 64, "BLOCK_K": 64}  # 54-56 us for 4096 x 14336 on an H100
 
 
 def select_path(m: int) -> str:
-    """The kernel path for a batch of ``m`` rows: ``gemv`` up to ``GEMV_MAX_M``, ``split_k``
-    (the dot kernel with K splits) up to ``SMALL_M``, ``tiles`` above. A fixed rule from H100
-    measurements with cold weights (benchmarks/quant_awq.py): a one-off timing on first use
-    would read the weight from the L2 cache, not from memory as a served model does."""
-    if m > SMALL_M:
-        return "tiles"
-    return "gemv" if m <= GEMV_MAX_M else "split_k"
+    """The kernel path for a batch of ``m`` rows. A fixed rule from H100 measurements with
+    cold weights (benchmarks/quant_awq.py; a one-off timing on first use would read the weight
+    from the L2 cache, not from memory as a served model does): ``gemv`` for one row;
+    ``split_k`` (eight 16-row dots a tile) up to ``SMALL_M``; ``tiles`` (one merged dot a tile)
+    up to ``TILES_MAX_M``; above, ``dequantize`` writes the float weight once and multiplies
+    with ``F.linear``, whose GEMM outruns dequantizing inside the multiply from a few hundred
+    rows on (4096 x 14336 at 512 rows: 146 against 206 us; 2048 rows: 0.86x bf16's time)."""
+    if m <= GEMV_MAX_M:
+        return "gemv"
+    if m <= SMALL_M:
+        return "split_k"
+    return "tiles" if m <= TILES_MAX_M else "dequantize"
+
+
+def dequantize_weight(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+                      group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """The float weight ``W`` ``[N, K]`` in ``dtype`` from the K-packed tensors."""
+    n, k = qweight.shape[1], qweight.shape[0] * PACK_FACTOR
+    weight = torch.empty(n, k, dtype=dtype, device=qweight.device)
+    tile = DEQUANTIZE_TILE
+    grid = (triton.cdiv(k, tile["BLOCK_K"]), triton.cdiv(n, tile["BLOCK_N"]))
+    awq_dequantize_kernel[grid](qweight, zeros, scales, weight, n, k, GROUP_SIZE=group_size,
+                                **tile, num_warps=4)
+    return weight
 
 
 def awq_gemm(
@@ -296,14 +334,16 @@ def awq_gemm(
         raise ValueError(f"x has {k} input columns but qweight packs "
                          f"{qweight.shape[0] * PACK_FACTOR}")
     path = path or select_path(m)
+    if path == "dequantize":
+        return F.linear(x, dequantize_weight(qweight, zeros, scales, group_size, x.dtype))
     kernel, tuned = PATHS[path]
     if path == "gemv" and config is not None and group_size % config["BLOCK_K"]:
         raise ValueError(f"the GEMV's BLOCK_K {config['BLOCK_K']} must divide the group size "
                          f"{group_size}")
     if path == "gemv" and config is None:
         config = gemv_config(n, k, group_size)
-    # The autotuned split-K path may pick any K split: it always gets a float32 buffer.
-    atomic = path == "split_k" if config is None else config["SPLIT_K"] > 1
+    # Autotuned paths may pick a K split: they always get a float32 buffer.
+    atomic = config is None or config["SPLIT_K"] > 1
     out = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if atomic
            else torch.empty(m, n, dtype=x.dtype, device=x.device))
     args = (x, qweight, zeros, scales, out, m, n, k, x.stride(0), x.stride(1), out.stride(0),
