@@ -425,7 +425,8 @@ VARIANTS = [
     # The installed plugin's kernel at its fp8 tile, words read as integrated on wip-fp8.
     *([Variant("plugin w2-asm", 2, "asm", plugin=True),
        Variant("plugin w4-asm", 4, "asm", plugin=True),
-       Variant("plugin w2-cvt", 2, "cvt", plugin=True)] if PLUGIN_WORDS else []),
+       Variant("plugin w2-cvt", 2, "cvt", plugin=True),
+       Variant("plugin w4-cvt", 4, "cvt", plugin=True)] if PLUGIN_WORDS else []),
     Variant("bytes", 1),  # this file's kernel reading bytes: should time as the plugin's fp8
     Variant("w2-asm", 2, "asm", grid=len(GRID)),
     Variant("w4-asm", 4, "asm", grid=len(GRID)),

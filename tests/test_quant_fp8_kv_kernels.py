@@ -160,6 +160,21 @@ def test_triton_fp8_v_words_with_splits_pages_padded_heads_and_float16(kv_dtype,
     torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("kv_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("v_word", [2, 4])
+def test_triton_fp8_v_words_decode_window_and_a_request_without_new_tokens(kv_dtype, v_word):
+    """Decode tiles of the words path take request i's token to be token i and leave the
+    causal mask to the context's end: a sliding window still masks, and a batch whose longest
+    query is one token but where a request has none (token i is then another request's)
+    must not run as decode tiles."""
+    out, ref, _, _ = run_fp8(TritonAttentionBackend, *CASES["decode"], 8, 2, kv_dtype,
+                             head_size=64, v_word=v_word, sliding_window=5)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    out, ref, _, _ = run_fp8(TritonAttentionBackend, [1, 9, 31, 16], [1, 0, 1, 1], 8, 2,
+                             kv_dtype, head_size=64, v_word=v_word)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
 def test_fp8_decode_tiles_read_v_as_words_prefill_tiles_as_bytes():
     from hitchllm_attention_triton.config import choose_kernel_config
 

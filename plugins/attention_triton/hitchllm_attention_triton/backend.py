@@ -90,7 +90,10 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
             num_tokens=common.num_actual_tokens,
             kernel=kernel,
         )
-        if common.max_query_len == 1 and kernel.block_q == 1:
+        # Decode tiles (tile i is request i) take every request to own one token: token i. A
+        # request with none (max_query_len 1 allows it) goes through the tiles instead.
+        if (common.max_query_len == 1 and kernel.block_q == 1
+                and common.num_actual_tokens == n):
             return metadata
         qsl = common.query_start_loc_cpu[: n + 1].numpy()
         q_lens = qsl[1:] - qsl[:-1]

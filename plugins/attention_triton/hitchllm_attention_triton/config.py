@@ -37,7 +37,10 @@ def choose_kernel_config(
     decode_only = max_query_len == 1
     # fp8 V in words of two values reaches the tensor cores through 16-bit shared loads instead
     # of one load per byte (TUNING.md entry 9): decode-sized tiles (prefill tiles are not
-    # measured yet) whose two residue dots get 16 columns or more.
+    # measured yet) whose two residue dots get 16 columns or more. Two values, not four: at
+    # BLOCK_N 128 the 16-bit words compile to 128 registers or fewer on every measured decode
+    # shape (4 programs per SM, what set the fast rows apart), 32-bit words to up to 146
+    # (TUNING.md entry 10).
     v_word = 2 if kv_bytes == 1 and head_size % 2 == 0 and head_size > 16 else 1
     if decode_only:
         block_m = max(16, _pow2_at_least(group))

@@ -102,11 +102,12 @@ def _attend_tile(
     stride_blk, stride_tok,
     MASKED: tl.constexpr, USE_SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PAD_D: tl.constexpr, FP8: tl.constexpr,
-    V_WORD: tl.constexpr, ASM_CVT: tl.constexpr, HEAD_DIM: tl.constexpr,
+    V_WORD: tl.constexpr, ASM_CVT: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
 ):
     """One ``BLOCK_N``-token tile of the online softmax. ``acc0`` is the output accumulator;
     with V read as words (``V_WORD`` 2 or 4), ``acc0``.. ``acc3`` are those of the residues
-    of d (the ones past ``V_WORD`` are passed through untouched)."""
+    of d (the ones past ``V_WORD`` are passed through untouched). ``CAUSAL`` False: the caller
+    guarantees every position below ``kv_end`` precedes every row's query (one query per tile)."""
     pos = start + tl.arange(0, BLOCK_N)
     in_ctx = pos < kv_end
     if MASKED:
@@ -133,7 +134,9 @@ def _attend_tile(
     else:
         s = s * qk_scale
     if MASKED:
-        allowed = in_ctx[None, :] & (pos[None, :] <= q_pos[:, None])
+        allowed = in_ctx[None, :]
+        if CAUSAL:
+            allowed = allowed & (pos[None, :] <= q_pos[:, None])
         if WINDOW > 0:
             allowed = allowed & (q_pos[:, None] - pos[None, :] < WINDOW)
         s = tl.where(allowed, s, float("-inf"))
@@ -168,7 +171,9 @@ def _attend_v_words(
     ``V_WORD``-byte words (``off``: each token's offset in elements, a multiple of ``V_WORD``,
     as is ``HEAD_DIM``)."""
     dw = tl.arange(0, HEAD_PAD // V_WORD)
-    w_ptrs = v_words_ptr + (off // V_WORD)[:, None] + dw[None, :]
+    # off >= 0: a shift divides it (log2 of V_WORD 2 or 4 is V_WORD // 2) without the fixup a
+    # signed division needs, and the address stays an add to K's
+    w_ptrs = v_words_ptr + (off >> (V_WORD // 2))[:, None] + dw[None, :]
     if MASKED:
         # (dw < HEAD_DIM // V_WORD, not dw * V_WORD < HEAD_DIM: the compiler sees the former
         # constant along runs of words and vectorizes the load)
@@ -220,8 +225,18 @@ def paged_attention(
     else:
         req = tl.load(tile_req_ptr + tile)
         q0 = tl.load(tile_q0_ptr + tile)
-    q_start = tl.load(query_start_ptr + req)
-    q_len = tl.load(query_start_ptr + req + 1) - q_start
+    # The fp8 words path leaves out what decode tiles do not need: the query offsets (request
+    # i's one token is token i, which the builder checks) and, below, the causal mask (one
+    # query per tile: kv_end applies it). Registers decide how many programs share an SM, and
+    # these cost it up to 79 (TUNING.md entry 10). bf16 and the byte path keep the code their
+    # tuned timings were measured with.
+    LEAN: tl.constexpr = DECODE and V_WORD > 1
+    if LEAN:
+        q_start = req
+        q_len = 1
+    else:
+        q_start = tl.load(query_start_ptr + req)
+        q_len = tl.load(query_start_ptr + req + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + req)
     ctx_len = seq_len - q_len
 
@@ -271,13 +286,13 @@ def paged_attention(
             q, m_i, l_i, acc0, acc1, acc2, acc3, k_cache_ptr, v_cache_ptr, bt_row, kv_head_off,
             start, kv_end, q_pos, d, d_mask, qk_scale, soft_cap, stride_blk, stride_tok,
             False, USE_SOFTCAP, WINDOW, BLOCK_N, PAGE, HEAD_PAD != HEAD_DIM, FP8, V_WORD,
-            ASM_CVT, HEAD_DIM)
+            ASM_CVT, HEAD_DIM, not LEAN)
     for start in range(unmasked_end, kv_end, BLOCK_N):
         m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile(
             q, m_i, l_i, acc0, acc1, acc2, acc3, k_cache_ptr, v_cache_ptr, bt_row, kv_head_off,
             start, kv_end, q_pos, d, d_mask, qk_scale, soft_cap, stride_blk, stride_tok,
             True, USE_SOFTCAP, WINDOW, BLOCK_N, PAGE, HEAD_PAD != HEAD_DIM, FP8, V_WORD,
-            ASM_CVT, HEAD_DIM)
+            ASM_CVT, HEAD_DIM, not LEAN)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     if V_WORD == 1:
@@ -288,25 +303,25 @@ def paged_attention(
                       l_safe, token, head, row_valid, split, num_tokens, num_heads, stride_o_t,
                       stride_o_h, HEAD_PAD, NUM_SPLITS, True)
     else:  # residue j's accumulator holds the columns V_WORD * w + j
-        v_scale = tl.load(v_scale_ptr)
+        scale = (tl.load(v_scale_ptr) / l_safe)[:, None]  # per row, once for all residues
         dw = tl.arange(0, HEAD_PAD // V_WORD)
         cols = dw * V_WORD
         w_mask = dw < HEAD_DIM // V_WORD
-        _store_output(out_ptr, partial_out_ptr, partial_lse_ptr, acc0 / l_safe[:, None] * v_scale,
-                      cols, w_mask, m_i, l_i, l_safe, token, head, row_valid, split,
-                      num_tokens, num_heads, stride_o_t, stride_o_h, HEAD_PAD, NUM_SPLITS, True)
-        _store_output(out_ptr, partial_out_ptr, partial_lse_ptr, acc1 / l_safe[:, None] * v_scale,
-                      cols + 1, w_mask, m_i, l_i, l_safe, token, head, row_valid, split,
-                      num_tokens, num_heads, stride_o_t, stride_o_h, HEAD_PAD, NUM_SPLITS, False)
+        # The log-sum-exp goes out with the last residue: with the first, split decode needs
+        # 140 registers instead of 107 (16-bit words, sm_90).
+        _store_output(out_ptr, partial_out_ptr, partial_lse_ptr, acc0 * scale, cols, w_mask,
+                      m_i, l_i, l_safe, token, head, row_valid, split, num_tokens, num_heads,
+                      stride_o_t, stride_o_h, HEAD_PAD, NUM_SPLITS, False)
+        _store_output(out_ptr, partial_out_ptr, partial_lse_ptr, acc1 * scale, cols + 1, w_mask,
+                      m_i, l_i, l_safe, token, head, row_valid, split, num_tokens, num_heads,
+                      stride_o_t, stride_o_h, HEAD_PAD, NUM_SPLITS, V_WORD == 2)
         if V_WORD == 4:
-            _store_output(out_ptr, partial_out_ptr, partial_lse_ptr,
-                          acc2 / l_safe[:, None] * v_scale, cols + 2, w_mask, m_i, l_i,
-                          l_safe, token, head, row_valid, split, num_tokens, num_heads,
-                          stride_o_t, stride_o_h, HEAD_PAD, NUM_SPLITS, False)
-            _store_output(out_ptr, partial_out_ptr, partial_lse_ptr,
-                          acc3 / l_safe[:, None] * v_scale, cols + 3, w_mask, m_i, l_i,
-                          l_safe, token, head, row_valid, split, num_tokens, num_heads,
-                          stride_o_t, stride_o_h, HEAD_PAD, NUM_SPLITS, False)
+            _store_output(out_ptr, partial_out_ptr, partial_lse_ptr, acc2 * scale, cols + 2,
+                          w_mask, m_i, l_i, l_safe, token, head, row_valid, split, num_tokens,
+                          num_heads, stride_o_t, stride_o_h, HEAD_PAD, NUM_SPLITS, False)
+            _store_output(out_ptr, partial_out_ptr, partial_lse_ptr, acc3 * scale, cols + 3,
+                          w_mask, m_i, l_i, l_safe, token, head, row_valid, split, num_tokens,
+                          num_heads, stride_o_t, stride_o_h, HEAD_PAD, NUM_SPLITS, True)
 
 
 @triton.jit
