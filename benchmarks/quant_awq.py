@@ -113,8 +113,9 @@ SECTION = "## AWQ int4 weights: Triton dequantize-and-multiply vs bf16 F.linear"
 ABOUT = ("Reproduce on the GPU machine: `python benchmarks/quant_awq.py --results "
          "benchmarks/RESULTS.md` (hitchllm-quantization with Triton). Llama-8B layer shapes, "
          "group size 128, CUDA-graph device times; speedup = bf16 time / int4 time (goal: "
-         ">= 2x at M = 1). The chosen config is the autotuner's for the default path; the "
-         "last column times the other small-batch path.")
+         ">= 2x at M = 1). The chosen config is the GEMV's shape rule or the autotuner's "
+         "choice for the path the batch takes; the last column times the other small-batch "
+         "path.")
 HEADER = ("| K x N | M | bf16 F.linear us | AWQ int4 us | speedup | int4 GB/s | chosen kernel "
           "config | other paths us |\n|---|---|---|---|---|---|---|---|")
 
