@@ -150,6 +150,29 @@ def awq_gemv_kernel(
 
 
 @triton.jit
+def _output_tile(K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SPLIT_K: tl.constexpr):
+    """Rows and columns of the dot kernels' output tile ``(program_id(0), program_id(1))``
+    and the K tiles ``first .. last - 1`` of split ``program_id(2)``."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    first, last = _split_k_tiles(K, tl.program_id(2), BLOCK_K, SPLIT_K)
+    return rm, rn, first, last
+
+
+@triton.jit
+def _store_tile(out_ptr, acc, rm, rn, M, N, stride_om, stride_on, SPLIT_K: tl.constexpr):
+    """Write a dot kernel's ``acc``: added into the float32 buffer when K is split, else
+    stored in ``out``'s dtype."""
+    out = out_ptr + rm[:, None] * stride_om + rn[None, :] * stride_on
+    mask = (rm < M)[:, None] & (rn < N)[None, :]
+    if SPLIT_K > 1:
+        tl.atomic_add(out, acc, mask=mask)
+    else:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def awq_dot_kernel(
     x_ptr, qweight_ptr, zeros_ptr, scales_ptr, out_ptr,
     M, N, K,
@@ -161,13 +184,8 @@ def awq_dot_kernel(
 ):
     """One ``[BLOCK_M, BLOCK_N]`` output tile over K split ``program_id(2)`` with ``tl.dot``
     (``BLOCK_K`` at least 128, so that each slice has the 16 rows ``tl.dot`` needs)."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm, rn, first, last = _output_tile(K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    first, last = _split_k_tiles(K, pid_k, BLOCK_K, SPLIT_K)
     x_rows = x_ptr + rm[:, None] * stride_xm
     for t in range(first, last):
         words = _load_words(qweight_ptr, t, rn, N, K, BLOCK_K)
@@ -178,12 +196,7 @@ def awq_dot_kernel(
             xi = tl.load(x_rows + (k8 + i)[None, :] * stride_xk, mask=x_ok, other=0.0)
             w = _nibble_floats(words, i, PTX) * s16 - zs  # (q - z) s
             acc += tl.dot(xi, w.to(xi.dtype), input_precision=DOT_PRECISION)
-    out = out_ptr + rm[:, None] * stride_om + rn[None, :] * stride_on
-    mask = (rm < M)[:, None] & (rn < N)[None, :]
-    if SPLIT_K > 1:
-        tl.atomic_add(out, acc, mask=mask)
-    else:
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_tile(out_ptr, acc, rm, rn, M, N, stride_om, stride_on, SPLIT_K)
 
 
 @triton.jit
@@ -201,13 +214,8 @@ def awq_tiles_kernel(
     together (``[BLOCK_K // 8, 8, BLOCK_N]``, word row by nibble) and merged into the
     ``[BLOCK_K, BLOCK_N]`` tile in input order, for batches whose multiply outweighs the
     unpacking (``PTX`` is unused)."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm, rn, first, last = _output_tile(K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    first, last = _split_k_tiles(K, pid_k, BLOCK_K, SPLIT_K)
     shifts = 4 * tl.arange(0, 8)
     for t in range(first, last):
         words = _load_words(qweight_ptr, t, rn, N, K, BLOCK_K)
@@ -219,12 +227,7 @@ def awq_tiles_kernel(
         w = q * (s16 / 16.0)[:, None, :] - (zs - s16)[:, None, :]  # (q - z) s
         w = tl.reshape(w, (BLOCK_K, BLOCK_N))
         acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
-    out = out_ptr + rm[:, None] * stride_om + rn[None, :] * stride_on
-    mask = (rm < M)[:, None] & (rn < N)[None, :]
-    if SPLIT_K > 1:
-        tl.atomic_add(out, acc, mask=mask)
-    else:
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_tile(out_ptr, acc, rm, rn, M, N, stride_om, stride_on, SPLIT_K)
 
 
 @triton.jit
