@@ -44,6 +44,11 @@ from hitchllm.models.rope import RotaryEmbedding
 
 # The checkpoint's embedding, which a tied LM head shares.
 _EMBEDDING = "model.embed_tokens.weight"
+#: The ``layer.__dict__`` key under which a plugin may attach a kernel for a whole
+#: ``PreNormDecoderLayer``: a callable taking ``(positions, hidden, residual)`` and returning
+#: what ``forward`` returns, bit for bit, or None to pass (attention_cpu's bfloat16 decode
+#: layer uses it).
+LAYER_KERNEL = "_layer_kernel"
 
 
 @dataclass(frozen=True)
@@ -156,7 +161,13 @@ class PreNormDecoderLayer(nn.Module):
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(mlp output, residual stream)``; the next layer (or the final norm) adds
-        them. ``residual`` is None for the first layer, whose ``hidden`` is the embedding."""
+        them. ``residual`` is None for the first layer, whose ``hidden`` is the embedding.
+        A kernel attached as ``LAYER_KERNEL`` is tried first."""
+        kernel = self.__dict__.get(LAYER_KERNEL)
+        if kernel is not None:
+            out = kernel(positions, hidden, residual)
+            if out is not None:
+                return out
         if residual is None:
             normed, residual = self.input_layernorm(hidden), hidden
         else:

@@ -29,14 +29,15 @@ def hitchllm_attention_backends() -> list[type[AttentionBackend]]:
 def hitchllm_model_loaded(model: torch.nn.Module, engine_config: EngineConfig) -> None:
     """On a CPU model with fusion on (``enable_fusion``), register the C versions of the
     fused functions, and in bfloat16 on a CPU with AMX give the linear layers the AMX kernel
-    for decode-sized calls (each built on first use; where one cannot be built, PyTorch's path
-    stays, with a warning); in float32, MKL's packed GEMM for 16-32 rows."""
+    for decode-sized calls and the decoder layers their decode-step kernel (each built on
+    first use; where one cannot be built, PyTorch's path stays, with a warning); in float32,
+    MKL's packed GEMM for 16-32 rows."""
     if not engine_config.enable_fusion:
         return
     first = next(iter(model.parameters()), None)
     if first is None or first.device.type != "cpu":
         return
-    from hitchllm_attention_cpu import amx_linear, fused, mkl_linear
+    from hitchllm_attention_cpu import amx_linear, decode_layer, fused, mkl_linear
     from hitchllm_attention_cpu.compiler import KernelBuildError
 
     try:
@@ -44,6 +45,9 @@ def hitchllm_model_loaded(model: torch.nn.Module, engine_config: EngineConfig) -
     except KernelBuildError as err:
         logger.warning("the CPU's fused elementwise kernels are unavailable (%s); the model's "
                        "norms, rotary and SiLU run in PyTorch", err)
+        fused_kernels = False
+    else:
+        fused_kernels = True
     if first.dtype == torch.bfloat16:
         try:
             layers = amx_linear.install(model)
@@ -51,8 +55,11 @@ def hitchllm_model_loaded(model: torch.nn.Module, engine_config: EngineConfig) -
             logger.warning("the AMX linear kernel is unavailable (%s); bfloat16 linears run "
                            "through oneDNN", err)
         else:
-            logger.info("AMX kernel for %d bfloat16 linear layers of 1-%d rows", layers,
-                        amx_linear.MAX_ROWS)
+            # The decode layers call the fused kernels and the AMX ones directly.
+            decode_layers = decode_layer.install(model) if fused_kernels else 0
+            logger.info("AMX kernel for %d bfloat16 linear layers of 1-%d rows; %d decoder "
+                        "layers run decode steps as one run of C calls", layers,
+                        amx_linear.MAX_ROWS, decode_layers)
     elif first.dtype == torch.float32:
         layers = mkl_linear.install(model)
         logger.info("MKL packed GEMM for %d float32 linear layers of %d-%d rows", layers,

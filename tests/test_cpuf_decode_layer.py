@@ -1,0 +1,97 @@
+"""attention_cpu's decode layer (decode_layer.py): a bfloat16 decoder layer of a decode step as
+one run of the plugin's C calls. Every call an engine makes equals the layer's modules bit for
+bit (Llama, Qwen3's q/k norm, the bundled model's shape), steps it does not take (prompts, more
+than 32 rows) run the modules, and the engine's greedy tokens and logprobs are identical with
+and without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hitchllm import LLM, SamplingParams
+from hitchllm.bundled_model import default_model_path
+from hitchllm.models import fused
+from hitchllm.models.llama import LAYER_KERNEL
+from hitchllm_attention_cpu import amx_linear, decode_layer
+
+pytestmark = pytest.mark.skipif(not amx_linear.available(),
+                                reason="needs a CPU with AMX-BF16 and a compiler targeting it")
+
+# 36 requests that end at different steps: the first decode steps have more rows than the
+# kernel takes (36 > 32), the later ones fewer; prompts of 5-60 tokens (over 16: SDPA).
+PROMPTS = [[(7 * i + j) % 97 + 3 for j in range(5 + (i * 11) % 56)] for i in range(36)]
+MAX_TOKENS = [2 + i % 9 for i in range(36)]
+
+
+def generate(llm: LLM, logprobs: int | None = None) -> list:
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=logprobs)
+              for n in MAX_TOKENS]
+    return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+
+
+def layer_kernels(llm: LLM) -> list[decode_layer.DecodeLayerKernel]:
+    return [m.__dict__[LAYER_KERNEL] for m in llm.engine.executor.worker.model.modules()
+            if LAYER_KERNEL in m.__dict__]
+
+
+@pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen3ForCausalLM", "bundled"])
+def test_each_call_equals_the_modules_bit_for_bit(tiny_models, architecture, monkeypatch):
+    """Each call is checked against the layer's modules on the same inputs (which write the
+    same keys and values to the same slots again, then attend as the kernel did)."""
+    calls: list[tuple[int, bool]] = []
+    kernel_call = decode_layer.DecodeLayerKernel.__call__
+
+    def checked(self, positions, hidden, residual):
+        got = kernel_call(self, positions, hidden, residual)
+        kernel = self.layer.__dict__.pop(LAYER_KERNEL)
+        try:
+            want = self.layer(positions, hidden, residual)
+        finally:
+            self.layer.__dict__[LAYER_KERNEL] = kernel
+        if got is not None:
+            assert torch.equal(got[0], want[0]), "MLP output differs from the modules'"
+            assert torch.equal(got[1], want[1]), "residual stream differs from the modules'"
+        calls.append((hidden.shape[0], got is not None))
+        return want
+
+    monkeypatch.setattr(decode_layer.DecodeLayerKernel, "__call__", checked)
+    path = default_model_path() if architecture == "bundled" else tiny_models[architecture]
+    llm = LLM(path, dtype="bfloat16", attention_backend="CPU_ATTN")
+    try:
+        kernels = layer_kernels(llm)
+        assert len(kernels) == llm.engine.model_config.num_hidden_layers
+        generate(llm)
+    finally:
+        fused.unregister_device_kernels("cpu")
+    taken = {rows for rows, ok in calls if ok}
+    assert taken and max(taken) <= amx_linear.MAX_ROWS
+    assert any(rows > amx_linear.MAX_ROWS for rows, ok in calls if not ok)  # 36 decodes
+    assert any(rows > len(PROMPTS) for rows, ok in calls if not ok)  # prompt steps
+
+
+def test_engine_tokens_identical_with_and_without(monkeypatch):
+    outs = {}
+    for enabled in (True, False):
+        if not enabled:
+            monkeypatch.setattr(decode_layer, "install", lambda model: 0)
+        llm = LLM(default_model_path(), dtype="bfloat16", attention_backend="CPU_ATTN")
+        assert bool(layer_kernels(llm)) == enabled
+        outs[enabled] = generate(llm, logprobs=2)
+    fused.unregister_device_kernels("cpu")
+    for a, b in zip(outs[True], outs[False], strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+def test_layers_it_does_not_take(tiny_models):
+    """Biases (Qwen2's q/k/v) and float32 models keep their modules."""
+    try:
+        qwen2 = LLM(tiny_models["Qwen2ForCausalLM"], dtype="bfloat16",
+                    attention_backend="CPU_ATTN")
+        assert not layer_kernels(qwen2)
+        float32 = LLM(tiny_models["LlamaForCausalLM"], dtype="float32",
+                      attention_backend="CPU_ATTN")
+        assert not layer_kernels(float32)
+    finally:
+        fused.unregister_device_kernels("cpu")
