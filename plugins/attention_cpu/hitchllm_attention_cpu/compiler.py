@@ -51,6 +51,11 @@ FUSED_FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-fno-math-errno", "-fno-t
                "-ffp-contract=off"]
 # Tried in order; the first set the compiler accepts is used.
 _OPTIONAL_FLAGS = (["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], [])
+# The attention kernel's loops over a block's 16 scores (maximum, exponentials, their sum) in
+# one 16-float vector rather than GCC's default two of 8 on AVX-512 CPUs: 15-30% faster at the
+# bundled model's decode shape (head size 32). Compilers that reject it get the sets above.
+_ATTENTION_OPTIONAL_FLAGS = (["-march=native", "-mprefer-vector-width=512", "-fopenmp"],
+                             *_OPTIONAL_FLAGS)
 _P, _I, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _ARGTYPES = [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_double,
              ctypes.c_double, _I, ctypes.c_int, _P, _P, ctypes.c_int]
@@ -130,7 +135,7 @@ def find_compiler() -> list[str]:
 def load_kernel() -> CompiledKernel:
     """The attention kernel, built on the first call of this process if the cache has no
     copy."""
-    path, flags, library = _library(SOURCE, _FLAGS)
+    path, flags, library = _library(SOURCE, _FLAGS, _ATTENTION_OPTIONAL_FLAGS)
     return CompiledKernel(path, flags, _function(library, SYMBOL, _ARGTYPES))
 
 
@@ -152,17 +157,19 @@ def load_amx_linear() -> CompiledFusedOps:
                                           for name, argtypes in AMX_SYMBOLS.items()})
 
 
-def _library(source_path: Path, base_flags: list[str]) -> tuple[Path, tuple[str, ...],
-                                                                 ctypes.CDLL]:
-    """``source_path`` built with ``base_flags`` and the first optional flags the compiler
-    takes (a cached build first): its path, flags and the loaded library."""
+def _library(
+    source_path: Path, base_flags: list[str],
+    optional_flags: tuple[list[str], ...] = _OPTIONAL_FLAGS,
+) -> tuple[Path, tuple[str, ...], ctypes.CDLL]:
+    """``source_path`` built with ``base_flags`` and the first of ``optional_flags`` the
+    compiler takes (a cached build first): its path, flags and the loaded library."""
     compiler = find_compiler()
     version = _compiler_version(compiler)
     # The shared header is part of every build's name: a change there rebuilds them all.
     source = source_path.read_bytes() + b"\0" + NUMERICS_HEADER.read_bytes()
     folder = _writable_cache_dir()
     builds = [(flags, folder / f"{source_path.stem}-{_digest(source, compiler, version, flags)}"
-               f"{_suffix()}") for flags in ((*base_flags, *extra) for extra in _OPTIONAL_FLAGS)]
+               f"{_suffix()}") for flags in ((*base_flags, *extra) for extra in optional_flags)]
     # A build cached earlier wins, so a compiler that rejects the first flag sets (no OpenMP)
     # is not asked again by every process.
     for flags, path in builds:
