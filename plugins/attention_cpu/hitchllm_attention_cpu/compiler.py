@@ -1,7 +1,8 @@
 """Builds the plugin's C code with the machine's C compiler on first use, and loads it with
 ctypes: the attention kernel (paged_attention.c, ``load_kernel``), the fused elementwise
-functions (fused_ops.c, ``load_fused_ops``) and the AMX linear kernel (amx_linear.c,
-``load_amx_linear``), one shared library each.
+functions (fused_ops.c, ``load_fused_ops``), the AMX linear kernel (amx_linear.c,
+``load_amx_linear``) and the decode layer that calls them (decode_layer.c,
+``load_decode_layer``), one shared library each.
 
 Each shared library is cached under ``$HITCHLLM_CACHE_DIR/cpu_attn`` (default
 ``~/.cache/hitchllm/cpu_attn``, or a per-user folder in the system's temporary directory when
@@ -76,6 +77,9 @@ AMX_SYMBOLS = {
     "hitch_amx_init": [],
     "hitch_amx_linear": [_P, _I, _I, _I, _P, _I, _P, _INT],
 }
+DECODE_LAYER_SOURCE = Path(__file__).with_name("decode_layer.c")
+# decode_layer.c's function and its arguments (returns an int status).
+DECODE_LAYER_SYMBOLS = {"hitch_decode_layer": [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _INT]}
 
 
 class KernelBuildError(RuntimeError):
@@ -155,6 +159,15 @@ def load_amx_linear() -> CompiledFusedOps:
     path, flags, library = _library(AMX_SOURCE, FUSED_FLAGS)
     return CompiledFusedOps(path, flags, {name: _function(library, name, argtypes)
                                           for name, argtypes in AMX_SYMBOLS.items()})
+
+
+@functools.cache
+def load_decode_layer() -> CompiledFusedOps:
+    """The decode layer's driver (decode_layer.c), built on the first call of this process if
+    the cache has no copy."""
+    path, flags, library = _library(DECODE_LAYER_SOURCE, FUSED_FLAGS)
+    return CompiledFusedOps(path, flags, {name: _function(library, name, argtypes)
+                                          for name, argtypes in DECODE_LAYER_SYMBOLS.items()})
 
 
 def _library(

@@ -1,24 +1,27 @@
-"""A whole Llama-family decoder layer of a bfloat16 decode step as one straight run of the
-plugin's C calls.
+"""A whole Llama-family decoder layer of a bfloat16 decode step in one C call
+(decode_layer.c).
 
-Through the modules, a decode step of the bundled model (8 layers, 32 rows) spends more time
-in Python than in its kernels: each layer makes about 20 module calls, and each of its ten C
-kernels sits behind a chain of checks (``UnquantizedLinearMethod``, ``fused``'s dispatch, the
-kernel's own), several output allocations and a ctypes call. ``DecodeLayerKernel`` runs the
-same kernels with the same inputs in the same order (RMSNorm, the AMX q/k/v projection,
-rotary, the KV write, CPU_ATTN's kernel, the AMX o projection, add + RMSNorm, gate/up, SiLU-and-mul,
-down), so its result equals the modules' bit for bit; what it leaves out is the Python between
-them: the layer's structure is checked once, at ``install``, and a call checks only what can
-change from step to step.
+Through the modules, a decode step of the bundled model (8 layers, up to 32 rows) spent more
+time in Python than in its kernels: each layer makes about 20 module calls, and each of its ten
+C kernels sits behind a chain of checks (``UnquantizedLinearMethod``, ``fused``'s dispatch, the
+kernel's own), output allocations, torch operators for the conversions around the attention
+kernel, and a ctypes call. decode_layer.c calls the same kernels (RMSNorm, the AMX q/k/v
+projection, rotary, the KV write, CPU_ATTN's kernel, the AMX o projection, add + RMSNorm,
+gate/up, SiLU-and-mul, down) with the same inputs in the same order, through pointers to their
+functions in the plugin's other libraries, so its result equals the modules' bit for bit; what
+it leaves out is the Python between them. The layer's structure is checked once, at
+``install``; a call checks what can change from step to step.
 
 It takes decode steps only (every request through CPU_ATTN's kernel, 1-``amx_linear.MAX_ROWS``
 rows, a bfloat16 KV cache); anything else (prompts, fp8 caches, more rows, a layer whose
-linears were reloaded or given another linear method, LoRA) returns None, and the layer runs
-its modules. Attached by ``install`` as ``layer.__dict__[LAYER_KERNEL]``, which
+linears were reloaded or given another linear method, such as LoRA's) returns None, and the
+layer runs its modules. Attached by ``install`` as ``layer.__dict__[LAYER_KERNEL]``, which
 ``PreNormDecoderLayer.forward`` tries first.
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import torch
 from torch import nn
@@ -28,31 +31,114 @@ from hitchllm.layers import CPU_BF16_KERNEL, UnquantizedLinearMethod
 from hitchllm.models.llama import LAYER_KERNEL, LlamaAttention, LlamaDecoderLayer, LlamaMLP
 from hitchllm_attention_cpu.amx_linear import MAX_ROWS, AmxKernel
 from hitchllm_attention_cpu.backend import CpuAttentionImpl, CpuAttentionMetadata
-from hitchllm_attention_cpu.compiler import load_fused_ops, load_kernel
+from hitchllm_attention_cpu.compiler import (
+    load_amx_linear,
+    load_decode_layer,
+    load_fused_ops,
+    load_kernel,
+)
 
-_BF16 = 1  # fused_ops.c's dtype code
-_KV_BF16 = 1  # paged_attention.c's kv_format
+_P, _I, _F, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_double
+
+
+class _LayerParams(ctypes.Structure):
+    """decode_layer.c's ``layer_params``."""
+
+    _fields_ = [
+        ("rms_norm", _P), ("linear", _P), ("rotary", _P), ("write_kv", _P),
+        ("silu_and_mul", _P), ("attention", _P),
+        ("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P),
+        ("input_eps", _F), ("post_eps", _F), ("qk_eps", _F),
+        ("qkv", _P), ("o_proj", _P), ("gate_up", _P), ("down", _P),
+        ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_size", _I),
+        ("intermediate", _I),
+        ("cos", _P), ("sin", _P), ("max_position", _I),
+        ("scale", _D), ("softcap", _D), ("window", _I),
+    ]
+
+
+class _StepParams(ctypes.Structure):
+    """decode_layer.c's ``step_params``."""
+
+    _fields_ = [
+        ("positions", _P), ("slots", _P), ("q_start", _P), ("q_len", _P),
+        ("context_len", _P), ("block_table", _P), ("bt_stride", _I), ("num_reqs", _I),
+    ]
+
+
+# decode_layer.c's status codes.
+_BAD_POSITION, _BAD_SLOT, _NO_MEMORY = 1, 2, 3
+# The step parameters of the last (metadata, positions) seen, shared by a step's layers (a
+# tuple, replaced whole, so a forward on another thread never sees half of one).
+_last_step: tuple[object, torch.Tensor, _StepParams] | None = None
+
+
+def _address(function: ctypes._CFuncPtr) -> int | None:
+    return ctypes.cast(function, ctypes.c_void_p).value
+
+
+def _step_params(metadata: CpuAttentionMetadata, positions: torch.Tensor) -> _StepParams:
+    """The step's parameters (built by its first layer, reused by the others)."""
+    global _last_step
+    last = _last_step
+    if last is not None and last[0] is metadata and last[1] is positions:
+        return last[2]
+    requests = metadata.kernel
+    assert requests is not None  # checked by the caller
+    step = _StepParams(
+        positions.data_ptr(), metadata.slot_mapping.data_ptr(), requests.query_start.data_ptr(),
+        requests.query_len.data_ptr(), requests.context_len.data_ptr(),
+        requests.block_table.data_ptr(), requests.block_table.stride(0),
+        requests.query_len.shape[0])
+    _last_step = (metadata, positions, step)
+    return step
 
 
 class DecodeLayerKernel:
     """``layer(positions, hidden, residual)`` for a decode step, or None (see the module's
-    docstring). Holds the layer's AMX kernels and norm weights; the KV cache, the attention
-    backend and the step's metadata are read per call."""
+    docstring)."""
 
     def __init__(self, layer: LlamaDecoderLayer) -> None:
         attention: LlamaAttention = layer.self_attn  # type: ignore[assignment]
         mlp: LlamaMLP = layer.mlp  # type: ignore[assignment]
         self.layer = layer
         self.attention = attention
-        self.linears = tuple((module, module.__dict__[CPU_BF16_KERNEL]) for module in (
-            attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj))
-        (_, self.qkv), (_, self.o_proj), (_, self.gate_up), (_, self.down) = self.linears
-        self.heads, self.kv_heads = attention.num_heads, attention.num_kv_heads
-        self.head_size = attention.head_dim
-        self.q_size, self.kv_size = attention.q_size, attention.kv_size
-        self.qk_norm = (attention.q_norm, attention.k_norm) if attention.qk_norm else None
-        self.fused = load_fused_ops().functions
-        self.paged_attention = load_kernel().function
+        self.linears: tuple[tuple[nn.Module, AmxKernel], ...] = tuple(
+            (module, module.__dict__[CPU_BF16_KERNEL]) for module in (
+                attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj))
+        self.function = load_decode_layer().functions["hitch_decode_layer"]
+        # The attention backend's settings are read at the first call (the engine binds it
+        # after loading the model) and whenever it is bound anew.
+        self._impl: CpuAttentionImpl | None = None
+        self._params: _LayerParams | None = None
+
+    def _layer_params(self, impl: CpuAttentionImpl) -> _LayerParams:
+        if self._params is not None and impl is self._impl:
+            return self._params
+        layer, attention = self.layer, self.attention
+        fused = load_fused_ops().functions
+        (_, qkv), (_, o_proj), (_, gate_up), (_, down) = self.linears
+        q_norm = k_norm = None
+        qk_eps = 0.0
+        if attention.qk_norm:
+            q_norm, k_norm = attention.q_norm.weight.data_ptr(), attention.k_norm.weight.data_ptr()
+            qk_eps = attention.q_norm.eps
+        rotary = attention.rotary
+        self._params = _LayerParams(
+            _address(fused["hitch_rms_norm"]),
+            _address(load_amx_linear().functions["hitch_amx_linear"]),
+            _address(fused["hitch_rotary"]), _address(fused["hitch_write_kv"]),
+            _address(fused["hitch_silu_and_mul"]), _address(load_kernel().function),
+            layer.input_layernorm.weight.data_ptr(),
+            layer.post_attention_layernorm.weight.data_ptr(), q_norm, k_norm,
+            layer.input_layernorm.eps, layer.post_attention_layernorm.eps, qk_eps,
+            qkv.packed.data_ptr(), o_proj.packed.data_ptr(), gate_up.packed.data_ptr(),
+            down.packed.data_ptr(),
+            qkv.k, attention.num_heads, attention.num_kv_heads, attention.head_dim, down.k,
+            rotary.cos.data_ptr(), rotary.sin.data_ptr(), rotary.cos.shape[0],
+            impl.scale, impl.spec.logits_soft_cap or 0.0, impl.spec.sliding_window or 0)
+        self._impl = impl
+        return self._params
 
     def __call__(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
@@ -77,83 +163,34 @@ class DecodeLayerKernel:
                        or type(module.linear_method) is not UnquantizedLinearMethod
                        for module, kernel in self.linears)):
             return None
-        threads = torch.get_num_threads()
-        layer = self.layer
-        normed, total = self._norm(layer.input_layernorm, hidden, residual, threads)
-        qkv = self.qkv(normed)
-        attended = self._attend(positions, qkv, impl, kv_cache, metadata, threads)
-        normed, total = self._norm(layer.post_attention_layernorm, self.o_proj(attended), total,
-                                   threads)
-        gate_up = self.gate_up(normed)
-        width = gate_up.shape[1] // 2
-        activated = torch.empty(rows, width, dtype=torch.bfloat16)
-        self.fused["hitch_silu_and_mul"](gate_up.data_ptr(), gate_up.shape[1],
-                                         activated.data_ptr(), rows, width, _BF16, threads)
-        return self.down(activated), total
-
-    def _norm(
-        self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, threads: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(rms_norm(x + residual), x + residual)``, or ``(rms_norm(x), x)`` without a
-        residual (the first layer)."""
-        out = torch.empty_like(x)
-        total = x if residual is None else torch.empty_like(x)
-        self.fused["hitch_rms_norm"](
-            x.data_ptr(), x.shape[1], None if residual is None else residual.data_ptr(),
-            x.shape[1], None if residual is None else total.data_ptr(), norm.weight.data_ptr(),
-            out.data_ptr(), x.shape[0], x.shape[1], norm.eps, _BF16, threads)
+        out, total = torch.empty_like(hidden), torch.empty_like(hidden)
+        # kv_cache: [2 (keys, values), kv_heads, blocks, block_size, d], contiguous.
+        blocks, block_size = kv_cache.shape[2], kv_cache.shape[3]
+        keys = kv_cache.data_ptr()
+        status = self.function(
+            ctypes.byref(self._layer_params(impl)),
+            ctypes.byref(_step_params(metadata, positions)), hidden.data_ptr(),
+            None if residual is None else residual.data_ptr(), out.data_ptr(),
+            total.data_ptr(), keys, keys + kv_cache.stride(0) * 2, blocks, block_size,
+            rows, torch.get_num_threads())
+        if status != 0:
+            self._raise(status, positions, kv_cache)
         return out, total
 
-    def _attend(
-        self, positions: torch.Tensor, qkv: torch.Tensor, impl: CpuAttentionImpl,
-        kv_cache: torch.Tensor, metadata: CpuAttentionMetadata, threads: int,
-    ) -> torch.Tensor:
-        """Rotary on q and k, k and v into the cache, attention: [rows, heads * d] bf16."""
-        rows, d, stride = qkv.shape[0], self.head_size, qkv.shape[1]
-        q = torch.empty(rows, self.heads, d, dtype=torch.bfloat16)
-        k = torch.empty(rows, self.kv_heads, d, dtype=torch.bfloat16)
-        rotary = self.attention.rotary
-        weights, eps = (None, None), 0.0
-        if self.qk_norm is not None:
-            weights = (self.qk_norm[0].weight.data_ptr(), self.qk_norm[1].weight.data_ptr())
-            eps = self.qk_norm[0].eps
-        base = qkv.data_ptr()
-        status = self.fused["hitch_rotary"](
-            positions.data_ptr(), base, stride, self.heads, q.data_ptr(),
-            base + 2 * self.q_size, stride, self.kv_heads, k.data_ptr(), rows, d,
-            rotary.cos.data_ptr(), rotary.sin.data_ptr(), rotary.cos.shape[0], *weights, eps,
-            _BF16, threads)
-        if status != 0:
-            return self._position_error(positions, rotary.cos.shape[0])
-        key_cache, value_cache = kv_cache.unbind(0)
-        cache_slots = key_cache.shape[1] * key_cache.shape[2]
-        if self.fused["hitch_write_kv"](
-                k.data_ptr(), self.kv_size, base + 2 * (self.q_size + self.kv_size), stride,
-                key_cache.data_ptr(), value_cache.data_ptr(), metadata.slot_mapping.data_ptr(),
-                rows, self.kv_heads, d, cache_slots, 2) != 0:
+    def _raise(self, status: int, positions: torch.Tensor, kv_cache: torch.Tensor) -> None:
+        if status == _BAD_POSITION:
+            table = self.attention.rotary.cos.shape[0]
+            bad = positions[(positions < 0) | (positions >= table)]
+            raise IndexError(f"rotary: position {int(bad[0])} is outside the rotary tables "
+                             f"(max_position_embeddings {table}); keep prompts and "
+                             "max_model_len within the model's context length")
+        if status == _BAD_SLOT:
             raise IndexError(f"CPU_ATTN: a slot in the slot mapping is outside the KV cache "
-                             f"({cache_slots} slots)")
-        query = q.float()
-        out = torch.zeros(rows, self.heads, d)
-        requests = metadata.kernel
-        assert requests is not None  # checked by the caller
-        if self.paged_attention(
-                query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), out.data_ptr(),
-                requests.query_start.data_ptr(), requests.query_len.data_ptr(),
-                requests.context_len.data_ptr(), requests.block_table.data_ptr(),
-                requests.block_table.stride(0), requests.query_len.shape[0], self.heads,
-                self.kv_heads, d, key_cache.shape[2], key_cache.shape[1], impl.scale,
-                impl.spec.logits_soft_cap or 0.0, impl.spec.sliding_window or 0, _KV_BF16,
-                None, None, threads) != 0:
-            raise MemoryError("CPU_ATTN: a kernel thread could not allocate its scratch buffer")
-        return out.to(torch.bfloat16).view(rows, self.heads * d)
-
-    @staticmethod
-    def _position_error(positions: torch.Tensor, table: int) -> torch.Tensor:
-        bad = positions[(positions < 0) | (positions >= table)]
-        raise IndexError(f"rotary: position {int(bad[0])} is outside the rotary tables "
-                         f"(max_position_embeddings {table}); keep prompts and max_model_len "
-                         "within the model's context length")
+                             f"({kv_cache.shape[2] * kv_cache.shape[3]} slots)")
+        if status == _NO_MEMORY:
+            raise MemoryError("CPU_ATTN's decode layer could not allocate its scratch buffers")
+        raise RuntimeError(f"CPU_ATTN's decode layer failed (status {status}): a layer shape "
+                           "the AMX kernel does not take")
 
 
 def takes(layer: nn.Module) -> bool:

@@ -1,0 +1,160 @@
+/* A Llama-family decoder layer of a bfloat16 decode step in one call, for attention_cpu's
+   decode_layer.py: the plugin's kernels (fused_ops.c, amx_linear.c, paged_attention.c, each
+   built in its own library with its own flags) called in the order the layer's modules call
+   them, on the same inputs, through function pointers the Python side takes from those
+   libraries. Nothing is computed here but the two conversions around the attention kernel
+   (bfloat16 queries widened to float32: exact; float32 outputs rounded to bfloat16 to nearest
+   even, as torch's .to does), so the result equals the modules' bit for bit.
+
+   Layouts: hidden, residual, out, total [rows, hidden_size] bfloat16 contiguous; the layer's
+   AMX weights prepacked as amx_linear.c takes them; the KV caches [kv_heads, slots, d]
+   bfloat16 (slots = cache blocks x block size). rows <= 32. */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_numerics.h"
+
+enum { BF16 = 1, KV_BF16 = 1 };
+
+typedef int (*rms_norm_fn)(const void *x, int64_t x_stride, const void *residual,
+                           int64_t res_stride, void *sum_out, const void *weight, void *out,
+                           int64_t rows, int64_t width, float eps, int dtype, int num_threads);
+typedef int (*linear_fn)(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
+                         const uint16_t *w_packed, int64_t n, uint16_t *out, int num_threads);
+typedef int (*rotary_fn)(const int64_t *positions, const void *q, int64_t q_stride,
+                         int64_t q_heads, void *q_out, const void *k, int64_t k_stride,
+                         int64_t k_heads, void *k_out, int64_t rows, int64_t d,
+                         const float *cos, const float *sin, int64_t max_position,
+                         const void *q_weight, const void *k_weight, float eps, int dtype,
+                         int num_threads);
+typedef int (*write_kv_fn)(const void *key, int64_t key_stride, const void *value,
+                           int64_t value_stride, void *k_cache, void *v_cache,
+                           const int64_t *slots, int64_t tokens, int64_t kv_heads, int64_t d,
+                           int64_t cache_slots, int64_t esize);
+typedef int (*silu_and_mul_fn)(const void *x, int64_t x_stride, void *out, int64_t rows,
+                               int64_t width, int dtype, int num_threads);
+typedef int (*attention_fn)(const float *q, const void *k_cache, const void *v_cache,
+                            float *out, const int64_t *q_start, const int64_t *q_len,
+                            const int64_t *context_len, const int32_t *block_table,
+                            int64_t bt_stride, int64_t num_reqs, int64_t num_heads,
+                            int64_t num_kv_heads, int64_t head_size, int64_t block_size,
+                            int64_t cache_blocks, double scale, double softcap, int64_t window,
+                            int kv_format, const float *k_lut, const float *v_lut,
+                            int num_threads);
+
+/* What stays the same from step to step (set once per layer by decode_layer.py). */
+typedef struct {
+    rms_norm_fn rms_norm;
+    linear_fn linear;
+    rotary_fn rotary;
+    write_kv_fn write_kv;
+    silu_and_mul_fn silu_and_mul;
+    attention_fn attention;
+    const void *input_norm, *post_norm, *q_norm, *k_norm; /* q/k norms: NULL but for Qwen3 */
+    float input_eps, post_eps, qk_eps;
+    const uint16_t *qkv, *o_proj, *gate_up, *down; /* packed weights */
+    int64_t hidden, heads, kv_heads, head_size, intermediate;
+    const float *cos, *sin;
+    int64_t max_position;
+    double scale, softcap;
+    int64_t window;
+} layer_params;
+
+/* The step's requests as CPU_ATTN's kernel reads them, and each token's KV slot. */
+typedef struct {
+    const int64_t *positions, *slots, *q_start, *q_len, *context_len;
+    const int32_t *block_table;
+    int64_t bt_stride, num_reqs;
+} step_params;
+
+enum {
+    DECODE_OK = 0,
+    DECODE_BAD_POSITION = 1,
+    DECODE_BAD_SLOT = 2,
+    DECODE_NO_MEMORY = 3,
+    DECODE_BAD_SHAPE = 4,
+};
+
+/* out = the layer's MLP output, total = its residual stream after attention (see
+   PreNormDecoderLayer.forward). residual NULL: the first layer, whose residual stream is
+   hidden itself. Returns one of the DECODE_ codes (outputs and cache partly written unless 0). */
+int hitch_decode_layer(const layer_params *p, const step_params *s, const uint16_t *hidden,
+                       const uint16_t *residual, uint16_t *out, uint16_t *total,
+                       void *k_cache, void *v_cache, int64_t cache_blocks, int64_t block_size,
+                       int64_t rows, int num_threads) {
+    const int64_t h = p->hidden, d = p->head_size;
+    const int64_t q_size = p->heads * d, kv_size = p->kv_heads * d;
+    const int64_t qkv_size = q_size + 2 * kv_size;
+    /* bf16 scratch: normed, residual sum, qkv, q, k, attention output, o, gate_up, activated;
+       float32: q, attention output. */
+    const size_t halves = (size_t)rows * (3 * h + qkv_size + 2 * q_size + kv_size
+                                          + 3 * p->intermediate);
+    const size_t bytes = halves * 2 + (size_t)rows * 2 * q_size * 4 + 64;
+    char *scratch = malloc(bytes);
+    if (scratch == NULL) {
+        return DECODE_NO_MEMORY;
+    }
+    float *q32 = (float *)scratch, *attended32 = q32 + rows * q_size;
+    uint16_t *normed = (uint16_t *)(attended32 + rows * q_size);
+    uint16_t *sum = normed + rows * h, *qkv = sum + rows * h, *q = qkv + rows * qkv_size;
+    uint16_t *k = q + rows * q_size, *attended = k + rows * kv_size;
+    uint16_t *o = attended + rows * q_size, *gate_up = o + rows * h;
+    uint16_t *activated = gate_up + rows * 2 * p->intermediate;
+    int status = DECODE_OK;
+
+    const uint16_t *stream = residual == NULL ? hidden : sum;
+    p->rms_norm(hidden, h, residual, h, residual == NULL ? NULL : sum, p->input_norm, normed,
+                rows, h, p->input_eps, BF16, num_threads);
+    if (p->linear(normed, h, rows, h, p->qkv, qkv_size, qkv, num_threads) != 0) {
+        status = DECODE_BAD_SHAPE;
+        goto done;
+    }
+    if (p->rotary(s->positions, qkv, qkv_size, p->heads, q, qkv + q_size, qkv_size,
+                  p->kv_heads, k, rows, d, p->cos, p->sin, p->max_position, p->q_norm,
+                  p->k_norm, p->qk_eps, BF16, num_threads) != 0) {
+        status = DECODE_BAD_POSITION;
+        goto done;
+    }
+    if (p->write_kv(k, kv_size, qkv + q_size + kv_size, qkv_size, k_cache, v_cache, s->slots,
+                    rows, p->kv_heads, d, cache_blocks * block_size, 2) != 0) {
+        status = DECODE_BAD_SLOT;
+        goto done;
+    }
+    for (int64_t i = 0; i < rows * q_size; ++i) {
+        const uint32_t u = (uint32_t)q[i] << 16;
+        memcpy(q32 + i, &u, 4);
+    }
+    memset(attended32, 0, sizeof(float) * rows * q_size);
+    if (p->attention(q32, k_cache, v_cache, attended32, s->q_start, s->q_len, s->context_len,
+                     s->block_table, s->bt_stride, s->num_reqs, p->heads, p->kv_heads, d,
+                     block_size, cache_blocks, p->scale, p->softcap, p->window, KV_BF16, NULL,
+                     NULL, num_threads) != 0) {
+        status = DECODE_NO_MEMORY;
+        goto done;
+    }
+    for (int64_t i = 0; i < rows * q_size; ++i) {
+        attended[i] = f32_to_bf16(attended32[i]);
+    }
+    if (p->linear(attended, q_size, rows, q_size, p->o_proj, h, o, num_threads) != 0) {
+        status = DECODE_BAD_SHAPE;
+        goto done;
+    }
+    p->rms_norm(o, h, stream, h, total, p->post_norm, normed, rows, h, p->post_eps, BF16,
+                num_threads);
+    if (p->linear(normed, h, rows, h, p->gate_up, 2 * p->intermediate, gate_up,
+                  num_threads) != 0) {
+        status = DECODE_BAD_SHAPE;
+        goto done;
+    }
+    p->silu_and_mul(gate_up, 2 * p->intermediate, activated, rows, p->intermediate, BF16,
+                    num_threads);
+    if (p->linear(activated, p->intermediate, rows, p->intermediate, p->down, h, out,
+                  num_threads) != 0) {
+        status = DECODE_BAD_SHAPE;
+    }
+done:
+    free(scratch);
+    return status;
+}
