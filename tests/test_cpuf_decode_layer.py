@@ -1,8 +1,8 @@
 """attention_cpu's decode layer (decode_layer.py): a bfloat16 decoder layer of a decode step as
-one run of the plugin's C calls. Every call an engine makes equals the layer's modules bit for
-bit (Llama, Qwen3's q/k norm, the bundled model's shape), steps it does not take (prompts, more
-than 32 rows) run the modules, and the engine's greedy tokens and logprobs are identical with
-and without it."""
+one C call. Every call an engine makes equals the layer's modules bit for bit (Llama, Qwen3's
+q/k norm, the bundled model's shape; on one thread, two (the attention shared with the helper
+thread) and three (OpenMP)), steps it does not take (prompts, more than 32 rows) run the
+modules, and the engine's greedy tokens and logprobs are identical with and without it."""
 
 from __future__ import annotations
 
@@ -35,8 +35,12 @@ def layer_kernels(llm: LLM) -> list[decode_layer.DecodeLayerKernel]:
             if LAYER_KERNEL in m.__dict__]
 
 
-@pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen3ForCausalLM", "bundled"])
-def test_each_call_equals_the_modules_bit_for_bit(tiny_models, architecture, monkeypatch):
+@pytest.mark.parametrize("architecture,threads", [
+    ("LlamaForCausalLM", 2), ("Qwen3ForCausalLM", 2),
+    ("bundled", 1), ("bundled", 2), ("bundled", 3),  # alone, with the helper, OpenMP's team
+])
+def test_each_call_equals_the_modules_bit_for_bit(tiny_models, architecture, threads,
+                                                  monkeypatch):
     """Each call is checked against the layer's modules on the same inputs (which write the
     same keys and values to the same slots again, then attend as the kernel did)."""
     calls: list[tuple[int, bool]] = []
@@ -57,8 +61,9 @@ def test_each_call_equals_the_modules_bit_for_bit(tiny_models, architecture, mon
 
     monkeypatch.setattr(decode_layer.DecodeLayerKernel, "__call__", checked)
     path = default_model_path() if architecture == "bundled" else tiny_models[architecture]
-    llm = LLM(path, dtype="bfloat16", attention_backend="CPU_ATTN")
+    llm = LLM(path, dtype="bfloat16", attention_backend="CPU_ATTN", cpu_threads=threads)
     try:
+        assert torch.get_num_threads() == threads
         kernels = layer_kernels(llm)
         assert len(kernels) == llm.engine.model_config.num_hidden_layers
         generate(llm)

@@ -41,6 +41,8 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.c")
 SYMBOL = "hitch_paged_attention"
+# Its variant that computes the units a shared cursor hands out (decode_layer.c's helper).
+CLAIM_SYMBOL = "hitch_paged_attention_claim"
 _FLAGS = [
     "-O3", "-std=c11", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
     "-fassociative-math", "-fno-signed-zeros", "-freciprocal-math", "-ffinite-math-only",
@@ -88,11 +90,13 @@ class KernelBuildError(RuntimeError):
 
 @dataclass(frozen=True)
 class CompiledKernel:
-    """The loaded kernel: ``function`` is ``hitch_paged_attention`` (see paged_attention.c)."""
+    """The loaded kernel: ``function`` is ``hitch_paged_attention``, ``claim``
+    ``hitch_paged_attention_claim`` (see paged_attention.c)."""
 
     path: Path
     flags: tuple[str, ...]
     function: ctypes._CFuncPtr
+    claim: ctypes._CFuncPtr
 
     @property
     def openmp(self) -> bool:
@@ -140,7 +144,8 @@ def load_kernel() -> CompiledKernel:
     """The attention kernel, built on the first call of this process if the cache has no
     copy."""
     path, flags, library = _library(SOURCE, _FLAGS, _ATTENTION_OPTIONAL_FLAGS)
-    return CompiledKernel(path, flags, _function(library, SYMBOL, _ARGTYPES))
+    return CompiledKernel(path, flags, _function(library, SYMBOL, _ARGTYPES),
+                          _function(library, CLAIM_SYMBOL, [*_ARGTYPES[:-1], _P]))
 
 
 @functools.cache
@@ -165,7 +170,7 @@ def load_amx_linear() -> CompiledFusedOps:
 def load_decode_layer() -> CompiledFusedOps:
     """The decode layer's driver (decode_layer.c), built on the first call of this process if
     the cache has no copy."""
-    path, flags, library = _library(DECODE_LAYER_SOURCE, FUSED_FLAGS)
+    path, flags, library = _library(DECODE_LAYER_SOURCE, [*FUSED_FLAGS, "-pthread"])
     return CompiledFusedOps(path, flags, {name: _function(library, name, argtypes)
                                           for name, argtypes in DECODE_LAYER_SYMBOLS.items()})
 

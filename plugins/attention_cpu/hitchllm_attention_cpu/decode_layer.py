@@ -46,7 +46,7 @@ class _LayerParams(ctypes.Structure):
 
     _fields_ = [
         ("rms_norm", _P), ("linear", _P), ("rotary", _P), ("write_kv", _P),
-        ("silu_and_mul", _P), ("attention", _P),
+        ("silu_and_mul", _P), ("attention", _P), ("attention_claim", _P),
         ("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P),
         ("input_eps", _F), ("post_eps", _F), ("qk_eps", _F),
         ("qkv", _P), ("o_proj", _P), ("gate_up", _P), ("down", _P),
@@ -129,6 +129,7 @@ class DecodeLayerKernel:
             _address(load_amx_linear().functions["hitch_amx_linear"]),
             _address(fused["hitch_rotary"]), _address(fused["hitch_write_kv"]),
             _address(fused["hitch_silu_and_mul"]), _address(load_kernel().function),
+            _address(load_kernel().claim),
             layer.input_layernorm.weight.data_ptr(),
             layer.post_attention_layernorm.weight.data_ptr(), q_norm, k_norm,
             layer.input_layernorm.eps, layer.post_attention_layernorm.eps, qk_eps,
