@@ -11,8 +11,10 @@
    the kernel runs for 100-250 us per layer, and an OpenMP thread that sleeps between parallel
    regions (OMP_WAIT_POLICY=PASSIVE, or libgomp's default as soon as a process has more
    threads than cores) took about 70 us to wake each time on a 2-core VM, most of the gain.
-   The helper spins for HELPER_SPIN_NS after each kernel call (a decode step calls the next
-   layer's well within that), then sleeps until woken. The calling thread never waits for the
+   The helper waits for HELPER_SPIN_NS after each kernel call (a decode step calls the next
+   layer's well within that) in a loop of sched_yield (so a thread the scheduler put on its
+   core, the caller's included, runs instead: spinning with pause instructions made runs 1.2x
+   faster or slower depending on where the threads landed), then sleeps until woken. The calling thread never waits for the
    helper to start: units are handed out one at a time from a shared counter, so a helper that
    is late (asleep, or its core taken by another process) simply gets fewer of them or none;
    the caller waits only for units the helper has claimed (a few microseconds each). Every
@@ -26,6 +28,7 @@
    bfloat16 (slots = cache blocks x block size). rows <= 32. */
 
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -172,7 +175,7 @@ static void *helper_main(void *unused) {
             continue;
         }
         if (now_ns() - idle_since < HELPER_SPIN_NS) {
-            pause_briefly();
+            sched_yield();
             continue;
         }
         pthread_mutex_lock(&helper.lock);
