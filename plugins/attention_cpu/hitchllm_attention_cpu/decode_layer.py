@@ -26,7 +26,7 @@ import ctypes
 import torch
 from torch import nn
 
-from hitchllm.attention.forward_context import get_forward_context
+from hitchllm.attention import get_forward_context
 from hitchllm.layers import CPU_BF16_KERNEL, UnquantizedLinearMethod
 from hitchllm.models.llama import LAYER_KERNEL, LlamaAttention, LlamaDecoderLayer, LlamaMLP
 from hitchllm_attention_cpu.amx_linear import MAX_ROWS, AmxKernel
