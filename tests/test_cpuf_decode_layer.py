@@ -14,6 +14,7 @@ from hitchllm.bundled_model import default_model_path
 from hitchllm.models import fused
 from hitchllm.models.llama import LAYER_KERNEL
 from hitchllm_attention_cpu import amx_linear, decode_layer
+from hitchllm_attention_cpu.compiler import KernelBuildError
 
 pytestmark = pytest.mark.skipif(not amx_linear.available(),
                                 reason="needs a CPU with AMX-BF16 and a compiler targeting it")
@@ -100,3 +101,20 @@ def test_layers_it_does_not_take(tiny_models):
         assert not layer_kernels(float32)
     finally:
         fused.unregister_device_kernels("cpu")
+
+
+def test_without_a_build_the_modules_run(monkeypatch):
+    """decode_layer.c that cannot be built leaves the layers to their modules (with a
+    warning), as the other kernels do."""
+
+    def no_build():
+        raise KernelBuildError("no compiler")
+
+    monkeypatch.setattr(decode_layer, "load_decode_layer", no_build)
+    try:
+        llm = LLM(default_model_path(), dtype="bfloat16", attention_backend="CPU_ATTN")
+        assert not layer_kernels(llm)
+        assert len(generate(llm)) == len(PROMPTS)
+    finally:
+        fused.unregister_device_kernels("cpu")
+

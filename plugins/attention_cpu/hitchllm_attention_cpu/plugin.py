@@ -37,7 +37,7 @@ def hitchllm_model_loaded(model: torch.nn.Module, engine_config: EngineConfig) -
     first = next(iter(model.parameters()), None)
     if first is None or first.device.type != "cpu":
         return
-    from hitchllm_attention_cpu import amx_linear, decode_layer, fused, mkl_linear
+    from hitchllm_attention_cpu import amx_linear, fused, mkl_linear
     from hitchllm_attention_cpu.compiler import KernelBuildError
 
     try:
@@ -55,12 +55,24 @@ def hitchllm_model_loaded(model: torch.nn.Module, engine_config: EngineConfig) -
             logger.warning("the AMX linear kernel is unavailable (%s); bfloat16 linears run "
                            "through oneDNN", err)
         else:
-            # The decode layers call the fused kernels and the AMX ones directly.
-            decode_layers = decode_layer.install(model) if fused_kernels else 0
-            logger.info("AMX kernel for %d bfloat16 linear layers of 1-%d rows; %d decoder "
-                        "layers run decode steps as one run of C calls", layers,
-                        amx_linear.MAX_ROWS, decode_layers)
+            logger.info("AMX kernel for %d bfloat16 linear layers of 1-%d rows", layers,
+                        amx_linear.MAX_ROWS)
+            if fused_kernels:  # the decode layer calls the fused and AMX kernels directly
+                _install_decode_layers(model)
     elif first.dtype == torch.float32:
         layers = mkl_linear.install(model)
         logger.info("MKL packed GEMM for %d float32 linear layers of %d-%d rows", layers,
                     mkl_linear.MIN_ROWS, mkl_linear.PACKED_ROWS)
+
+
+def _install_decode_layers(model: torch.nn.Module) -> None:
+    from hitchllm_attention_cpu import decode_layer
+    from hitchllm_attention_cpu.compiler import KernelBuildError
+
+    try:
+        count = decode_layer.install(model)
+    except KernelBuildError as err:
+        logger.warning("the decode layer's C code is unavailable (%s); decode steps run the "
+                       "layers' modules", err)
+    else:
+        logger.info("%d decoder layers run bfloat16 decode steps in one C call", count)
