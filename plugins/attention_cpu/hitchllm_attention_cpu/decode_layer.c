@@ -27,6 +27,7 @@
    AMX weights prepacked as amx_linear.c takes them; the KV caches [kv_heads, slots, d]
    bfloat16 (slots = cache blocks x block size). rows <= 32. */
 
+#define _POSIX_C_SOURCE 200809L /* clock_gettime, sched_yield under -std=c11 */
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
