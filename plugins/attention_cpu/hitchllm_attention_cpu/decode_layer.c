@@ -12,10 +12,10 @@
    regions (OMP_WAIT_POLICY=PASSIVE, or libgomp's default as soon as a process has more
    threads than cores) took about 70 us to wake each time on a 2-core VM, most of the gain.
    The helper waits for HELPER_SPIN_NS after each kernel call (a decode step calls the next
-   layer's well within that) in a loop of sched_yield (so a thread the scheduler put on its
-   core, the caller's included, runs instead: spinning with pause instructions made runs 1.2x
-   faster or slower depending on where the threads landed), then sleeps until woken. The calling thread never waits for the
-   helper to start: units are handed out one at a time from a shared counter, so a helper that
+   layer's well within that) in a loop of sched_yield, so that a thread the scheduler put on
+   its core, the caller's included, runs instead (spinning with pause instructions made runs
+   1.2x faster or slower depending on where the threads landed); then it sleeps until woken.
+   The calling thread never waits for the helper to start: units are handed out one at a time from a shared counter, so a helper that
    is late (asleep, or its core taken by another process) simply gets fewer of them or none;
    the caller waits only for units the helper has claimed (a few microseconds each). Every
    unit is computed by one thread with the same code, so the output does not depend on who
@@ -104,6 +104,7 @@ enum {
 
 /* ---- the helper thread ------------------------------------------------------------------ */
 
+/* How long the helper waits for the next call before it sleeps. */
 #define HELPER_SPIN_NS 200000
 
 /* One attention call's arguments, as the helper needs them. */
