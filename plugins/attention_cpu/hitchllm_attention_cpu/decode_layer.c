@@ -15,9 +15,12 @@
    layer's well within that) in a loop of sched_yield, so that a thread the scheduler put on
    its core, the caller's included, runs instead (spinning with pause instructions made runs
    1.2x faster or slower depending on where the threads landed); then it sleeps until woken.
-   The calling thread never waits for the helper to start: units are handed out one at a time from a shared counter, so a helper that
-   is late (asleep, or its core taken by another process) simply gets fewer of them or none;
-   the caller waits only for units the helper has claimed (a few microseconds each). Every
+   The calling thread never waits for the helper to start: units are handed out one at a time
+   from a shared counter, so a helper that is late (asleep, or its core taken by another
+   process) simply gets fewer of them or none; the caller waits only for units the helper has
+   claimed (a few microseconds each; after CALLER_SPIN pause instructions it yields its core,
+   in case the helper was preempted on it). A child forked from the process has no helper
+   thread (fork copies only the calling thread): there every call computes alone. Every
    unit is computed by one thread with the same code, so the output does not depend on who
    computed it. Every other kernel runs on the calling thread at two threads (their calls are
    10-40 us: a sleeping OpenMP thread would cost more than it saves); with more threads
@@ -106,6 +109,9 @@ enum {
 
 /* How long the helper waits for the next call before it sleeps. */
 #define HELPER_SPIN_NS 200000
+/* Pause instructions the caller spins on the helper's last units before each sched_yield
+   (about 10 us: more than a unit takes when the helper is running). */
+#define CALLER_SPIN 256
 
 /* One attention call's arguments, as the helper needs them. */
 typedef struct {
@@ -195,10 +201,14 @@ static void *helper_main(void *unused) {
     return NULL;
 }
 
+/* In a forked child the helper thread does not exist (and the state it shared with the
+   parent's caller may be mid-call): the child's calls compute alone. */
+static void forget_helper(void) { helper.started = 0; }
+
 static void start_helper(void) {
     pthread_t thread;
     pthread_attr_t attr;
-    if (pthread_attr_init(&attr) != 0) {
+    if (pthread_atfork(NULL, NULL, forget_helper) != 0 || pthread_attr_init(&attr) != 0) {
         return;
     }
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
@@ -236,10 +246,19 @@ static int attend(const layer_params *p, const step_params *s, const float *q, f
     uint_fast64_t open = (generation << 2) | JOB_OPEN;
     if (!atomic_compare_exchange_strong(&helper.job_state, &open,
                                         (generation << 2) | JOB_CLOSED)) {
-        while (atomic_load(&helper.job_state) != ((generation << 2) | JOB_DONE)) {
-            pause_briefly();
+        for (int spins = 0;
+             atomic_load(&helper.job_state) != ((generation << 2) | JOB_DONE); ++spins) {
+            if (spins < CALLER_SPIN) {
+                pause_briefly();
+            } else {
+                sched_yield();
+            }
         }
-        status |= helper.job.status;
+        /* A claim that fails claims no unit, and one that succeeds claims every unit left:
+           the output is complete when either thread's call succeeded. */
+        if (status != 0) {
+            status = helper.job.status;
+        }
     }
     atomic_store(&helper.in_use, 0);
     return status;
@@ -261,7 +280,7 @@ int hitch_decode_layer(const layer_params *p, const step_params *s, const uint16
        float32: q, attention output. */
     const size_t halves = (size_t)rows * (3 * h + qkv_size + 2 * q_size + kv_size
                                           + 3 * p->intermediate);
-    const size_t bytes = halves * 2 + (size_t)rows * 2 * q_size * 4 + 64;
+    const size_t bytes = halves * 2 + (size_t)rows * 2 * q_size * 4;
     char *scratch = malloc(bytes);
     if (scratch == NULL) {
         return DECODE_NO_MEMORY;
