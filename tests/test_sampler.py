@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from hitchllm.engine.sampler import Sampler, apply_penalties
+from hitchllm.engine.sampler import Sampler, apply_penalties, greedy_tokens
 from hitchllm.engine.sampling_metadata import SamplingMetadata, build_sampling_metadata
 from hitchllm.sampling_params import SamplingParams
 
@@ -327,6 +327,31 @@ def test_greedy_is_argmax_and_ignores_filters() -> None:
     tokens = Sampler()(torch.from_numpy(logits), metadata).sampled_token_ids
     np.testing.assert_array_equal(tokens.numpy(), logits.argmax(axis=1))
     assert tokens[3] == 10
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_greedy_tokens_are_the_first_index_of_the_maximum(threads: int) -> None:
+    """Against numpy's argmax (first occurrence; a NaN counts as the maximum) on rows full of
+    ties, with NaN, inf and all -inf rows, odd widths and one long row."""
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for width in (1, 7, 4096, 4097, 100_003):
+        x = torch.randint(-3, 4, (2 if width > 5000 else 64, width), generator=generator).float()
+        rows.append(x)
+    special = torch.randint(-3, 4, (64, 4096), generator=generator).float()
+    special[3, 100] = special[3, 50] = float("nan")
+    special[5, 7] = special[5, 3000] = float("inf")
+    special[9] = float("-inf")
+    special[11, 17] = float("nan")
+    special[11, 4] = float("inf")
+    rows.append(special)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for x in rows:
+            assert np.array_equal(greedy_tokens(x).numpy(), np.argmax(x.double().numpy(), axis=-1))
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_greedy_rows_unaffected_by_random_rows_in_the_batch() -> None:

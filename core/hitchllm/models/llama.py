@@ -25,7 +25,9 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from hitchllm import distributed
 from hitchllm.attention import Attention, kv_scale_target
+from hitchllm.attention.forward_context import current_split_attention
 from hitchllm.config import ModelConfig
 from hitchllm.layers import (
     MergedColumnParallelLinear,
@@ -44,6 +46,18 @@ from hitchllm.models.rope import RotaryEmbedding
 
 # The checkpoint's embedding, which a tied LM head shares.
 _EMBEDDING = "model.embed_tokens.weight"
+#: The ``layer.__dict__`` key under which a plugin may attach a kernel for a whole
+#: ``PreNormDecoderLayer`` (attention_cpu's bfloat16 decode layer): a callable taking
+#: ``(positions, hidden, residual)`` that returns what ``forward`` would return, equal bit for
+#: bit, or None to leave the call to the modules. ``forward`` tries it only in a single-rank
+#: tensor-parallel group (otherwise row-parallel linears sum across ranks), without autograd
+#: and without the forward context's ``split_attention``; everything else is the kernel's to
+#: check on every call, declining what it would not compute as the modules do (another linear
+#: method, such as LoRA's or a reloaded layer's; other attention metadata; other dtypes or
+#: shapes). It stays attached for the layer's lifetime and must not hold the layer strongly.
+#: A per-layer slot rather than a hook: a kernel holds one layer's state and is looked up on
+#: every call (docs/plugins.md, "Layer kernels", says why and the contract in full).
+LAYER_KERNEL = "_layer_kernel"
 
 
 @dataclass(frozen=True)
@@ -156,7 +170,14 @@ class PreNormDecoderLayer(nn.Module):
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(mlp output, residual stream)``; the next layer (or the final norm) adds
-        them. ``residual`` is None for the first layer, whose ``hidden`` is the embedding."""
+        them. ``residual`` is None for the first layer, whose ``hidden`` is the embedding.
+        A kernel attached as ``LAYER_KERNEL`` is tried first (see its contract)."""
+        kernel = self.__dict__.get(LAYER_KERNEL)
+        if (kernel is not None and distributed.tp_world_size() == 1
+                and not torch.is_grad_enabled() and current_split_attention() is None):
+            out = kernel(positions, hidden, residual)
+            if out is not None:
+                return out
         if residual is None:
             normed, residual = self.input_layernorm(hidden), hidden
         else:

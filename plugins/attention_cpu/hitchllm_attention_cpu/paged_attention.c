@@ -18,7 +18,8 @@
    softcap * tanh(score / softcap) to the scaled scores.
 
    Compiled by compiler.py with OpenMP where the compiler has it (the units are shared among
-   num_threads threads), and built serial otherwise. */
+   num_threads threads), and built serial otherwise; with 512-bit vectors preferred where the
+   compiler takes -mprefer-vector-width=512, so that a block's 16 scores are one vector. */
 
 #include <float.h>
 #include <math.h>
@@ -288,30 +289,43 @@ static void attend_any(const attn_args *a, int64_t r, int64_t h, float *s) {
     attend(a, r, h, s, a->head_size);
 }
 
+typedef void (*unit_fn)(const attn_args *, int64_t, int64_t, float *);
+
+static unit_fn unit_function(int64_t head_size) {
+    return head_size == 32 ? attend_32 : head_size == 64 ? attend_64
+        : head_size == 128 ? attend_128 : head_size == 256 ? attend_256 : attend_any;
+}
+
+/* Bytes of one thread's scratch buffer (zeroed: its last head_size floats are the zero row). */
+static size_t scratch_bytes(const attn_args *a) {
+    const int64_t g = a->num_heads / a->num_kv_heads;
+    return sizeof(float) * (g * a->head_size + 2 * g + g * a->block_size
+                            + 2 * a->block_size * a->head_size + a->head_size);
+}
+
+#define ATTN_PARAMS                                                                            \
+    const float *q, const void *k_cache, const void *v_cache, float *out,                     \
+        const int64_t *q_start, const int64_t *q_len, const int64_t *context_len,             \
+        const int32_t *block_table, int64_t bt_stride, int64_t num_reqs, int64_t num_heads,   \
+        int64_t num_kv_heads, int64_t head_size, int64_t block_size, int64_t cache_blocks,    \
+        double scale, double softcap, int64_t window, int kv_format, const float *k_lut,      \
+        const float *v_lut
+#define ATTN_ARGS                                                                              \
+    {q, k_cache, v_cache, out, q_start, q_len, context_len, block_table, bt_stride, num_reqs, \
+     num_heads, num_kv_heads, head_size, block_size, cache_blocks, (float)scale,              \
+     (float)softcap, window, kv_format, k_lut, v_lut}
+
 /* Returns 0, or -1 when a thread could not allocate its scratch buffer (out is then partly
    written). */
-int hitch_paged_attention(const float *q, const void *k_cache, const void *v_cache, float *out,
-                          const int64_t *q_start, const int64_t *q_len, const int64_t *context_len,
-                          const int32_t *block_table, int64_t bt_stride, int64_t num_reqs,
-                          int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
-                          int64_t block_size, int64_t cache_blocks, double scale, double softcap,
-                          int64_t window, int kv_format, const float *k_lut,
-                          const float *v_lut, int num_threads) {
-    const attn_args a = {q, k_cache, v_cache, out, q_start, q_len, context_len, block_table,
-                         bt_stride, num_reqs, num_heads, num_kv_heads, head_size, block_size,
-                         cache_blocks, (float)scale, (float)softcap, window, kv_format,
-                         k_lut, v_lut};
-    void (*fn)(const attn_args *, int64_t, int64_t, float *) =
-        head_size == 32 ? attend_32 : head_size == 64 ? attend_64 : head_size == 128 ? attend_128
-        : head_size == 256 ? attend_256 : attend_any;
-    const int64_t g = num_heads / num_kv_heads;
-    const size_t scratch = sizeof(float) * (g * head_size + 2 * g + g * block_size
-                                            + 2 * block_size * head_size + head_size);
+int hitch_paged_attention(ATTN_PARAMS, int num_threads) {
+    const attn_args a = ATTN_ARGS;
+    const unit_fn fn = unit_function(head_size);
+    const size_t scratch = scratch_bytes(&a);
     const int64_t units = num_reqs * num_kv_heads;
     int status = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *buf = calloc(1, scratch); /* zeroed: the last head_size floats are the zero row */
+        float *buf = calloc(1, scratch);
         if (buf == NULL) {
 #pragma omp atomic write
             status = -1;
@@ -322,4 +336,23 @@ int hitch_paged_attention(const float *q, const void *k_cache, const void *v_cac
         free(buf);
     }
     return status;
+}
+
+/* The same units computed the same way, on the calling thread alone, each claimed from
+   *cursor (fetch-and-add) until none is left: threads that call this at once with the same
+   arguments and cursor share the units, whichever claims one computing it (decode_layer.c's
+   helper thread). Returns 0, or -1 when the scratch buffer could not be allocated (nothing
+   claimed then). */
+int hitch_paged_attention_claim(ATTN_PARAMS, int64_t *cursor) {
+    const attn_args a = ATTN_ARGS;
+    const unit_fn fn = unit_function(head_size);
+    const int64_t units = num_reqs * num_kv_heads;
+    float *buf = calloc(1, scratch_bytes(&a));
+    if (buf == NULL) {
+        return -1;
+    }
+    for (int64_t u; (u = __atomic_fetch_add(cursor, 1, __ATOMIC_RELAXED)) < units;)
+        fn(&a, u / num_kv_heads, u % num_kv_heads, buf);
+    free(buf);
+    return 0;
 }

@@ -29,8 +29,9 @@ def hitchllm_attention_backends() -> list[type[AttentionBackend]]:
 def hitchllm_model_loaded(model: torch.nn.Module, engine_config: EngineConfig) -> None:
     """On a CPU model with fusion on (``enable_fusion``), register the C versions of the
     fused functions, and in bfloat16 on a CPU with AMX give the linear layers the AMX kernel
-    for decode-sized calls (each built on first use; where one cannot be built, PyTorch's path
-    stays, with a warning); in float32, MKL's packed GEMM for 16-32 rows."""
+    for decode-sized calls and the decoder layers their decode-step kernel (each built on
+    first use; where one cannot be built, PyTorch's path stays, with a warning); in float32,
+    MKL's packed GEMM for 16-32 rows."""
     if not engine_config.enable_fusion:
         return
     first = next(iter(model.parameters()), None)
@@ -44,6 +45,9 @@ def hitchllm_model_loaded(model: torch.nn.Module, engine_config: EngineConfig) -
     except KernelBuildError as err:
         logger.warning("the CPU's fused elementwise kernels are unavailable (%s); the model's "
                        "norms, rotary and SiLU run in PyTorch", err)
+        fused_kernels = False
+    else:
+        fused_kernels = True
     if first.dtype == torch.bfloat16:
         try:
             layers = amx_linear.install(model)
@@ -53,7 +57,22 @@ def hitchllm_model_loaded(model: torch.nn.Module, engine_config: EngineConfig) -
         else:
             logger.info("AMX kernel for %d bfloat16 linear layers of 1-%d rows", layers,
                         amx_linear.MAX_ROWS)
+            if fused_kernels:  # the decode layer calls the fused and AMX kernels directly
+                _install_decode_layers(model)
     elif first.dtype == torch.float32:
         layers = mkl_linear.install(model)
         logger.info("MKL packed GEMM for %d float32 linear layers of %d-%d rows", layers,
                     mkl_linear.MIN_ROWS, mkl_linear.PACKED_ROWS)
+
+
+def _install_decode_layers(model: torch.nn.Module) -> None:
+    from hitchllm_attention_cpu import decode_layer
+    from hitchllm_attention_cpu.compiler import KernelBuildError
+
+    try:
+        count = decode_layer.install(model)
+    except KernelBuildError as err:
+        logger.warning("the decode layer's C code is unavailable (%s); decode steps run the "
+                       "layers' modules", err)
+    else:
+        logger.info("%d decoder layers run bfloat16 decode steps in one C call", count)
