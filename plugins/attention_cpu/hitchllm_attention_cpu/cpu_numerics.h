@@ -39,4 +39,14 @@ static HITCH_INLINE float exp_reduced(float x, int32_t *n) {
     return p * r * r + r + 1.0f;
 }
 
+/* The paged attention kernel's parameters (paged_attention.c defines the kernels,
+   decode_layer.c calls them through pointers from that library). */
+#define HITCH_ATTENTION_PARAMS                                                                    \
+    const float *q, const void *k_cache, const void *v_cache, float *out,                     \
+        const int64_t *q_start, const int64_t *q_len, const int64_t *context_len,             \
+        const int32_t *block_table, int64_t bt_stride, int64_t num_reqs, int64_t num_heads,   \
+        int64_t num_kv_heads, int64_t head_size, int64_t block_size, int64_t cache_blocks,    \
+        double scale, double softcap, int64_t window, int kv_format, const float *k_lut,      \
+        const float *v_lut
+
 #endif

@@ -60,16 +60,9 @@ typedef int (*write_kv_fn)(const void *key, int64_t key_stride, const void *valu
                            int64_t cache_slots, int64_t esize);
 typedef int (*silu_and_mul_fn)(const void *x, int64_t x_stride, void *out, int64_t rows,
                                int64_t width, int dtype, int num_threads);
-#define ATTENTION_PARAMS                                                                       \
-    const float *q, const void *k_cache, const void *v_cache, float *out,                     \
-        const int64_t *q_start, const int64_t *q_len, const int64_t *context_len,             \
-        const int32_t *block_table, int64_t bt_stride, int64_t num_reqs, int64_t num_heads,   \
-        int64_t num_kv_heads, int64_t head_size, int64_t block_size, int64_t cache_blocks,    \
-        double scale, double softcap, int64_t window, int kv_format, const float *k_lut,      \
-        const float *v_lut
 /* paged_attention.c's hitch_paged_attention (OpenMP) and hitch_paged_attention_claim. */
-typedef int (*attention_fn)(ATTENTION_PARAMS, int num_threads);
-typedef int (*attention_claim_fn)(ATTENTION_PARAMS, int64_t *cursor);
+typedef int (*attention_fn)(HITCH_ATTENTION_PARAMS, int num_threads);
+typedef int (*attention_claim_fn)(HITCH_ATTENTION_PARAMS, int64_t *cursor);
 
 /* What stays the same from step to step (set once per layer by decode_layer.py). */
 typedef struct {

@@ -303,13 +303,6 @@ static size_t scratch_bytes(const attn_args *a) {
                             + 2 * a->block_size * a->head_size + a->head_size);
 }
 
-#define ATTN_PARAMS                                                                            \
-    const float *q, const void *k_cache, const void *v_cache, float *out,                     \
-        const int64_t *q_start, const int64_t *q_len, const int64_t *context_len,             \
-        const int32_t *block_table, int64_t bt_stride, int64_t num_reqs, int64_t num_heads,   \
-        int64_t num_kv_heads, int64_t head_size, int64_t block_size, int64_t cache_blocks,    \
-        double scale, double softcap, int64_t window, int kv_format, const float *k_lut,      \
-        const float *v_lut
 #define ATTN_ARGS                                                                              \
     {q, k_cache, v_cache, out, q_start, q_len, context_len, block_table, bt_stride, num_reqs, \
      num_heads, num_kv_heads, head_size, block_size, cache_blocks, (float)scale,              \
@@ -317,7 +310,7 @@ static size_t scratch_bytes(const attn_args *a) {
 
 /* Returns 0, or -1 when a thread could not allocate its scratch buffer (out is then partly
    written). */
-int hitch_paged_attention(ATTN_PARAMS, int num_threads) {
+int hitch_paged_attention(HITCH_ATTENTION_PARAMS, int num_threads) {
     const attn_args a = ATTN_ARGS;
     const unit_fn fn = unit_function(head_size);
     const size_t scratch = scratch_bytes(&a);
@@ -343,7 +336,7 @@ int hitch_paged_attention(ATTN_PARAMS, int num_threads) {
    arguments and cursor share the units, whichever claims one computing it (decode_layer.c's
    helper thread). Returns 0, or -1 when the scratch buffer could not be allocated (nothing
    claimed then). */
-int hitch_paged_attention_claim(ATTN_PARAMS, int64_t *cursor) {
+int hitch_paged_attention_claim(HITCH_ATTENTION_PARAMS, int64_t *cursor) {
     const attn_args a = ATTN_ARGS;
     const unit_fn fn = unit_function(head_size);
     const int64_t units = num_reqs * num_kv_heads;
