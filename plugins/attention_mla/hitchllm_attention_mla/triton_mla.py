@@ -4,9 +4,9 @@ Decode runs in the absorbed form: the query's no-rope part is folded through ``W
 latent space on the host side of the kernel (one batched matmul), the kernel attends over the
 paged latent cache reading each token's latent once for a block of heads, and ``W_UV`` maps
 the latent output back to per-head values. Long contexts are split over several programs per
-request ("split-KV"); each writes its partial output with its running maximum and sum, and
-the partials are merged afterwards. Requests with several new tokens (prompts, chunks) run
-TORCH_MLA's expanded path (SDPA).
+request ("split-KV"); each writes its partial output with its running maximum and sum, and a
+second kernel merges the partials (one program per head and 128 output columns). Requests
+with several new tokens (prompts, chunks) run TORCH_MLA's expanded path (SDPA).
 
 CUDA graphs (``CudaGraphSupport.UNIFORM_DECODE``): a batch of decodes only gets
 ``TritonMLADecodeMetadata``, views of the engine's persistent buffers (sequence lengths,
@@ -64,12 +64,16 @@ class MLADecodeTiles:
 #: Tiles for Triton's CPU interpreter (tests): small blocks run fastest there.
 DEFAULT_TILES = MLADecodeTiles()
 
-#: Tiles for GPUs with at least 200 KiB of shared memory per block (H100: 227 KiB), the best
-#: of a sweep at DeepSeek-V3 dims on an H100 (64 x 2048 and 1 x 32k, pages of 64): 64 heads
-#: per program (the query block, 64 x 576, sits in shared memory beside one 64-token latent
-#: tile), the whole 512-wide output per program, no pipelining (two stages do not fit).
+#: Tiles for GPUs with at least ``LARGE_SMEM_BYTES`` of shared memory per block (H100: 227
+#: KiB), the best of a sweep at DeepSeek-V3 dims on an H100 (64 x 2048 and 1 x 32k, pages of
+#: 16 and 64): 64 heads per program (the query block, 64 x 576, sits in shared memory), 64-token
+#: latent tiles loaded two deep (the next tile's copy overlaps this one's dots: 224 -> 188 us
+#: at 64 x 2048), the whole 512-wide output per program. Compiled for sm_90 it takes 216 KiB
+#: of shared memory and 255 registers a thread; 32- and 16-token tiles, deeper pipelines and
+#: more splits were slower (RESULTS.md, "MLA decode").
 LARGE_SMEM_TILES = MLADecodeTiles(block_h=64, block_n=64, block_o=512, num_warps=8,
-                                  num_stages=1)
+                                  num_stages=2)
+LARGE_SMEM_BYTES = 216 * 1024
 #: Other GPUs (A100: 163 KiB): a 16-head query block.
 SMALL_SMEM_TILES = MLADecodeTiles(block_h=16, block_n=32, block_o=512, num_warps=4,
                                   num_stages=2)
@@ -82,8 +86,12 @@ def tiles_for(device: torch.device) -> MLADecodeTiles:
         return DEFAULT_TILES
     props = torch.cuda.get_device_properties(device)
     smem = getattr(props, "shared_memory_per_block_optin", 0)
-    tiles = LARGE_SMEM_TILES if smem >= 200 * 1024 else SMALL_SMEM_TILES
+    tiles = LARGE_SMEM_TILES if smem >= LARGE_SMEM_BYTES else SMALL_SMEM_TILES
     return dataclasses.replace(tiles, target_programs=props.multi_processor_count)
+
+
+#: Latent columns per program of the split merge.
+MERGE_BLOCK_O = 128
 
 
 def _next_pow2(n: int) -> int:
@@ -102,7 +110,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     with an empty context (a padding row of a CUDA-graph batch). ``max_seq_len`` (an upper
     bound will do) and N choose the number of splits; the kernel cuts each context itself.
     ``tiles`` defaults to ``tiles_for(q.device)``."""
-    from hitchllm_attention_mla.triton_mla_kernel import mla_decode_partials
+    from hitchllm_attention_mla.triton_mla_kernel import mla_decode_partials, mla_merge_splits
 
     tiles = tiles or tiles_for(q.device)
 
@@ -127,15 +135,13 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     )
     if num_splits == 1:
         return acc[:, :, 0]
-    # Merge the splits: each partial is scaled to the common maximum (empty splits weigh 0).
-    # An empty context has no finite maximum and a total of 0: the clamps make its output 0
-    # (not NaN) and change nothing else (a non-empty context has a total of at least 1).
-    m, lse = stats[0], stats[1]
-    top = m.amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)
-    weights = torch.exp2(m - top)  # [N, heads, splits]; maxima in log2 units
-    total = (weights * lse).sum(-1, keepdim=True).clamp(min=1e-30)
-    return ((weights[..., None] * acc).sum(2) / total).to(q.dtype)
-
+    out = q.new_empty(n, heads, kv_lora_rank)
+    merge_o = min(MERGE_BLOCK_O, block_l)
+    mla_merge_splits[(n, heads, block_l // merge_o)](
+        acc, stats, out, acc.stride(0), acc.stride(1), acc.stride(2), stats.stride(0),
+        stats.stride(1), stats.stride(2), out.stride(0), out.stride(1), num_splits,
+        kv_lora_rank, BLOCK_S=_next_pow2(num_splits), BLOCK_O=merge_o)
+    return out
 
 def decode_splits(num_reqs: int, heads: int, max_seq_len: int,
                   tiles: MLADecodeTiles = DEFAULT_TILES) -> int:

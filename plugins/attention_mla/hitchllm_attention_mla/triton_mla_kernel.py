@@ -89,3 +89,35 @@ def mla_decode_partials(
         stats = stats_ptr + req * stride_st + heads * stride_sh + split
         tl.store(stats, m_i, mask=head_ok)
         tl.store(stats + stride_s0, l_i, mask=head_ok)
+
+
+@triton.jit
+def mla_merge_splits(
+    acc_ptr,  # [N, H, S, L] float32: each split's unnormalized latent output
+    stats_ptr,  # [2, N, H, S] float32: each split's running maximum (log2 units), its sum
+    out_ptr,  # [N, H, L]: the merged, normalized output
+    stride_at, stride_ah, stride_as, stride_s0, stride_st, stride_sh, stride_ot, stride_oh,
+    num_splits, kv_lora_rank,
+    BLOCK_S: tl.constexpr, BLOCK_O: tl.constexpr,
+):
+    """One program: ``BLOCK_O`` latent columns (``program_id(2)``) of head ``program_id(1)``
+    of request ``program_id(0)``. Each split's partial weighs ``exp2(max_s - max)`` (an empty
+    split, maximum -inf, weighs 0) and the sum is divided by the weighed total; an empty
+    context (every split empty) gives zeros, not NaN."""
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    stats = stats_ptr + req * stride_st + head * stride_sh
+    m = tl.load(stats + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+    sums = tl.load(stats + stride_s0 + offs_s, mask=offs_s < num_splits, other=0.0)
+    top = tl.maximum(tl.max(m, 0), -3.0e38)  # finite: an empty context's weights are 0
+    norm = 1.0 / tl.maximum(tl.sum(tl.exp2(m - top) * sums, 0), 1e-30)
+    offs_o = tl.program_id(2) * BLOCK_O + tl.arange(0, BLOCK_O)
+    o_ok = offs_o < kv_lora_rank
+    partials = acc_ptr + req * stride_at + head * stride_ah + offs_o
+    out = tl.zeros([BLOCK_O], dtype=tl.float32)
+    for split in range(0, num_splits):
+        weight = tl.exp2(tl.load(stats + split) - top)
+        out += weight * tl.load(partials + split * stride_as, mask=o_ok, other=0.0)
+    tl.store(out_ptr + req * stride_ot + head * stride_oh + offs_o,
+             (out * norm).to(out_ptr.dtype.element_ty), mask=o_ok)
