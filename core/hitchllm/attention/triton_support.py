@@ -39,3 +39,28 @@ def triton_device_reasons(spec: AttentionSpec) -> list[str]:
     else:
         reasons.append(f"device type {spec.device_type!r} is not supported (CUDA only)")
     return reasons
+
+
+def compile_for_gpu(kernel, constexprs: dict[str, object], types: dict[str, str],
+                    aligned: set[str], num_warps: int, num_stages: int,
+                    capability: int = 90):
+    """Compile the ``@triton.jit`` ``kernel`` for an NVIDIA GPU of ``capability`` (90: H100)
+    without one: Triton's compiler and ``ptxas`` run on any machine, so tile shapes, layouts
+    and shared memory that a real GPU rejects (and the interpreter accepts) show up on a CPU.
+    ``constexprs`` binds the ``tl.constexpr`` arguments (and arguments Triton would specialize
+    at launch, such as a stride of 1), ``types`` gives the other arguments' Triton types (the
+    rest are ``i32``), ``aligned`` names those a launch would find divisible by 16. Returns
+    the compiled kernel: ``metadata.shared`` is its shared memory in bytes, ``asm`` its PTX
+    and cubin. Run with ``TRITON_INTERPRET`` unset."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names
+    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if n in aligned and n not in constexprs}
+    source = ASTSource(fn=kernel, signature=signature, attrs=attrs,
+                       constexprs={(names.index(n),): v for n, v in constexprs.items()})
+    return triton.compile(source, target=GPUTarget("cuda", capability, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})

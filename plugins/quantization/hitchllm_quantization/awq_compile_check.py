@@ -10,10 +10,9 @@ import argparse
 import os
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
-H100 = GPUTarget("cuda", 90, 32)
+from hitchllm.attention.triton_support import compile_for_gpu
+
 SHARED_MEMORY = 227 * 1024
 ALIGNED = ("N", "K", "stride_xm", "stride_om")  # per block on an H100
 POINTERS = {"x_ptr": "*bf16", "qweight_ptr": "*i32", "zeros_ptr": "*u8",
@@ -32,17 +31,11 @@ def compile_config(path: str, config: triton.Config, group_size: int):
         constexprs["DOT_PRECISION"] = "tf32"
     atomic = config.kwargs["SPLIT_K"] > 1
     types = POINTERS | {"out_ptr": "*fp32" if atomic else "*bf16"}
-    names = kernel.arg_names
-    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
     # Pointers, sizes and row strides divisible by 16, as Triton notes at launch for a
     # Llama-shaped layer: its loads vectorize the same way here.
-    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names
-               if n not in constexprs and (n.endswith("_ptr") or n in ALIGNED)}
-    source = ASTSource(fn=kernel, signature=signature, attrs=aligned,
-                       constexprs={(names.index(n),): v for n, v in constexprs.items()})
-    compiled = triton.compile(source, target=H100, options={
-        "num_warps": config.num_warps, "num_stages": config.num_stages})
-    return compiled
+    aligned = {n for n in kernel.arg_names if n.endswith("_ptr") or n in ALIGNED}
+    return compile_for_gpu(kernel, constexprs, types, aligned, config.num_warps,
+                           config.num_stages)
 
 
 def main() -> None:
