@@ -68,8 +68,11 @@ def layer_kernels(llm: LLM) -> list[decode_layer.DecodeLayerKernel]:
 def test_each_call_equals_the_modules_bit_for_bit(tiny_models, architecture, threads, dtype,
                                                   monkeypatch):
     """Each call is checked against the layer's modules on the same inputs (which write the
-    same keys and values to the same slots again, then attend as the kernel did)."""
-    calls: list[tuple[int, bool]] = []
+    same keys and values to the same slots again, then attend as the kernel did). Differences
+    are recorded, not raised: the engine would catch an exception in a step and run its
+    requests one at a time, where the difference may not show."""
+    calls: list[tuple[int, bool, int]] = []
+    differ: list[int] = []
     kernel_call = decode_layer.DecodeLayerKernel.__call__
 
     def checked(self, positions, hidden, residual):
@@ -79,9 +82,9 @@ def test_each_call_equals_the_modules_bit_for_bit(tiny_models, architecture, thr
             want = self.layer(positions, hidden, residual)
         finally:
             self.layer.__dict__[LAYER_KERNEL] = kernel
-        if got is not None:
-            assert torch.equal(got[0], want[0]), "MLP output differs from the modules'"
-            assert torch.equal(got[1], want[1]), "residual stream differs from the modules'"
+        if got is not None and not (torch.equal(got[0], want[0])
+                                    and torch.equal(got[1], want[1])):
+            differ.append(hidden.shape[0])
         requests = get_forward_context().attn_metadata.kernel
         longest = 0 if requests is None else int(requests.query_len.max())
         calls.append((hidden.shape[0], got is not None, longest))
@@ -100,6 +103,7 @@ def test_each_call_equals_the_modules_bit_for_bit(tiny_models, architecture, thr
                      use_tqdm=False)
     finally:
         fused.unregister_device_kernels("cpu")
+    assert not differ, f"outputs differ from the modules' at {sorted(set(differ))} rows"
     taken = {rows for rows, ok, _ in calls if ok}
     assert taken and max(taken) <= amx_linear.MAX_ROWS
     assert any(ok and longest > 1 for _, ok, longest in calls)  # a prompt step
