@@ -71,7 +71,8 @@ def silu_chunk() -> int | None:
     from hitchllm_attention_cpu import torch_symbols
 
     functions = load_fused_ops().functions
-    exp = torch_symbols.address(_SLEEF_EXP.get(functions["hitch_silu_exp_lanes"](), ""))
+    name = _SLEEF_EXP.get(functions["hitch_silu_exp_lanes"]())  # 0: built without AVX2
+    exp = None if name is None else torch_symbols.address(name)
     if exp is None:
         return None
     generator = torch.Generator().manual_seed(0)
