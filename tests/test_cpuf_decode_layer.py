@@ -1,8 +1,9 @@
-"""attention_cpu's decode layer (decode_layer.py): a bfloat16 decoder layer of a decode step as
-one C call. Every call an engine makes equals the layer's modules bit for bit (Llama, Qwen3's
-q/k norm, the bundled model's shape; on one thread, two (the attention shared with the helper
-thread) and three (OpenMP); decodes and prompts of up to 16 tokens), steps it does not take
-(longer prompts, more than 32 rows) run the modules, and the engine's greedy tokens and
+"""attention_cpu's decode layer (decode_layer.py): a decoder layer of a decode step as one C
+call, in bfloat16 (AMX linears) and float32 (MKL's GEMMs). Every call an engine makes equals the
+layer's modules bit for bit (Llama, Qwen3's q/k norm, the bundled model's shape; on one thread,
+two (the attention shared with the helper thread) and three (OpenMP); decodes and prompts of up
+to 16 tokens; in float32 both the packed GEMM of 16-32 rows and sgemm_ below), steps it does not
+take (longer prompts, more than 32 rows) run the modules, and the engine's greedy tokens and
 logprobs are identical with and without it, at tensor_parallel_size 1 and 2."""
 
 from __future__ import annotations
@@ -19,11 +20,25 @@ from hitchllm.bundled_model import default_model_path
 from hitchllm.models import fused, llama
 from hitchllm.models.llama import LAYER_KERNEL
 from hitchllm.tiny_model import build_tiny_checkpoint
-from hitchllm_attention_cpu import amx_linear, decode_layer
+from hitchllm_attention_cpu import amx_linear, decode_layer, mkl_linear
+from hitchllm_attention_cpu import fused as cpu_fused
 from hitchllm_attention_cpu.compiler import KernelBuildError
 
-pytestmark = pytest.mark.skipif(not amx_linear.available(),
-                                reason="needs a CPU with AMX-BF16 and a compiler targeting it")
+
+def _float32_layer_available() -> bool:
+    cpu_fused.install()
+    try:
+        return mkl_linear.available() and cpu_fused.float32_exact()
+    finally:
+        fused.unregister_device_kernels("cpu")
+
+
+NEEDS_AMX = pytest.mark.skipif(not amx_linear.available(),
+                               reason="needs a CPU with AMX-BF16 and a compiler targeting it")
+NEEDS_F32 = pytest.mark.skipif(not _float32_layer_available(),
+                               reason="needs torch with MKL and Sleef's exponential exported")
+# Each dtype with the condition under which the layer takes it.
+DTYPES = [pytest.param("bfloat16", marks=NEEDS_AMX), pytest.param("float32", marks=NEEDS_F32)]
 
 # 36 requests that end at different steps: the first decode steps have more rows than the
 # kernel takes (36 > 32), the later ones fewer; prompts of 5-60 tokens (over 16: SDPA).
@@ -45,15 +60,19 @@ def layer_kernels(llm: LLM) -> list[decode_layer.DecodeLayerKernel]:
             if LAYER_KERNEL in m.__dict__]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("architecture,threads", [
     ("LlamaForCausalLM", 2), ("Qwen3ForCausalLM", 2),
     ("bundled", 1), ("bundled", 2), ("bundled", 3),  # alone, with the helper, OpenMP's team
 ])
-def test_each_call_equals_the_modules_bit_for_bit(tiny_models, architecture, threads,
+def test_each_call_equals_the_modules_bit_for_bit(tiny_models, architecture, threads, dtype,
                                                   monkeypatch):
     """Each call is checked against the layer's modules on the same inputs (which write the
-    same keys and values to the same slots again, then attend as the kernel did)."""
-    calls: list[tuple[int, bool]] = []
+    same keys and values to the same slots again, then attend as the kernel did). Differences
+    are recorded, not raised: the engine would catch an exception in a step and run its
+    requests one at a time, where the difference may not show."""
+    calls: list[tuple[int, bool, int]] = []
+    differ: list[int] = []
     kernel_call = decode_layer.DecodeLayerKernel.__call__
 
     def checked(self, positions, hidden, residual):
@@ -63,9 +82,9 @@ def test_each_call_equals_the_modules_bit_for_bit(tiny_models, architecture, thr
             want = self.layer(positions, hidden, residual)
         finally:
             self.layer.__dict__[LAYER_KERNEL] = kernel
-        if got is not None:
-            assert torch.equal(got[0], want[0]), "MLP output differs from the modules'"
-            assert torch.equal(got[1], want[1]), "residual stream differs from the modules'"
+        if got is not None and not (torch.equal(got[0], want[0])
+                                    and torch.equal(got[1], want[1])):
+            differ.append(hidden.shape[0])
         requests = get_forward_context().attn_metadata.kernel
         longest = 0 if requests is None else int(requests.query_len.max())
         calls.append((hidden.shape[0], got is not None, longest))
@@ -73,7 +92,7 @@ def test_each_call_equals_the_modules_bit_for_bit(tiny_models, architecture, thr
 
     monkeypatch.setattr(decode_layer.DecodeLayerKernel, "__call__", checked)
     path = default_model_path() if architecture == "bundled" else tiny_models[architecture]
-    llm = LLM(path, dtype="bfloat16", attention_backend="CPU_ATTN", cpu_threads=threads)
+    llm = LLM(path, dtype=dtype, attention_backend="CPU_ATTN", cpu_threads=threads)
     try:
         assert torch.get_num_threads() == threads
         kernels = layer_kernels(llm)
@@ -84,6 +103,7 @@ def test_each_call_equals_the_modules_bit_for_bit(tiny_models, architecture, thr
                      use_tqdm=False)
     finally:
         fused.unregister_device_kernels("cpu")
+    assert not differ, f"outputs differ from the modules' at {sorted(set(differ))} rows"
     taken = {rows for rows, ok, _ in calls if ok}
     assert taken and max(taken) <= amx_linear.MAX_ROWS
     assert any(ok and longest > 1 for _, ok, longest in calls)  # a prompt step
@@ -91,12 +111,13 @@ def test_each_call_equals_the_modules_bit_for_bit(tiny_models, architecture, thr
     assert any(rows > len(PROMPTS) for rows, ok, _ in calls if not ok)  # long prompt steps
 
 
-def test_engine_tokens_identical_with_and_without(monkeypatch):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_engine_tokens_identical_with_and_without(dtype, monkeypatch):
     outs = {}
     for enabled in (True, False):
         if not enabled:
             monkeypatch.setattr(decode_layer, "install", lambda model: 0)
-        llm = LLM(default_model_path(), dtype="bfloat16", attention_backend="CPU_ATTN")
+        llm = LLM(default_model_path(), dtype=dtype, attention_backend="CPU_ATTN")
         assert bool(layer_kernels(llm)) == enabled
         outs[enabled] = generate(llm, logprobs=2)
     fused.unregister_device_kernels("cpu")
@@ -105,19 +126,29 @@ def test_engine_tokens_identical_with_and_without(monkeypatch):
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
-def test_layers_it_does_not_take(tiny_models):
-    """Biases (Qwen2's q/k/v) and float32 models keep their modules."""
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layers_it_does_not_take(tiny_models, dtype):
+    """Biases (Qwen2's q/k/v) keep their modules."""
     try:
-        qwen2 = LLM(tiny_models["Qwen2ForCausalLM"], dtype="bfloat16",
-                    attention_backend="CPU_ATTN")
+        qwen2 = LLM(tiny_models["Qwen2ForCausalLM"], dtype=dtype, attention_backend="CPU_ATTN")
         assert not layer_kernels(qwen2)
-        float32 = LLM(tiny_models["LlamaForCausalLM"], dtype="float32",
-                      attention_backend="CPU_ATTN")
-        assert not layer_kernels(float32)
     finally:
         fused.unregister_device_kernels("cpu")
 
 
+@NEEDS_F32
+def test_float32_needs_the_fused_kernels_to_be_pytorchs(tiny_models, monkeypatch):
+    """Where the fused kernels' float32 paths are not PyTorch's (no matching summation order
+    or exponential), float32 layers keep their modules."""
+    monkeypatch.setattr(cpu_fused, "silu_chunk", lambda: None)
+    try:
+        llm = LLM(tiny_models["LlamaForCausalLM"], dtype="float32", attention_backend="CPU_ATTN")
+        assert not layer_kernels(llm)
+    finally:
+        fused.unregister_device_kernels("cpu")
+
+
+@NEEDS_AMX
 def test_without_a_build_the_modules_run(monkeypatch):
     """decode_layer.c that cannot be built leaves the layers to their modules (with a
     warning), as the other kernels do."""
@@ -144,6 +175,7 @@ def tp2_aligned_llama(tmp_path_factory) -> str:
         intermediate_size=256, num_attention_heads=4, num_key_value_heads=2))
 
 
+@NEEDS_AMX
 def test_tensor_parallel_tokens_identical_with_and_without(tp2_aligned_llama, monkeypatch):
     """At tensor_parallel_size=2 the layers' o/down projections sum across ranks, which one C
     call does not: the engine's tokens with fusion (where the kernel would attach) must equal
@@ -158,12 +190,13 @@ def test_tensor_parallel_tokens_identical_with_and_without(tp2_aligned_llama, mo
     assert tokens[True] == tokens[False]
 
 
-def test_sharded_layers_are_not_taken_and_the_seam_skips_kernels(tp2_aligned_llama,
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sharded_layers_are_not_taken_and_the_seam_skips_kernels(tp2_aligned_llama, dtype,
                                                                    monkeypatch):
     """``takes`` declines a layer whose linears are sharded, and ``PreNormDecoderLayer``
     does not call an attached kernel in a tensor-parallel group of several ranks."""
     try:
-        llm = LLM(tp2_aligned_llama, dtype="bfloat16", attention_backend="CPU_ATTN")
+        llm = LLM(tp2_aligned_llama, dtype=dtype, attention_backend="CPU_ATTN")
         kernels = layer_kernels(llm)
         assert kernels and all(decode_layer.takes(k.layer) for k in kernels)
         layer = kernels[0].layer

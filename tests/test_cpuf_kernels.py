@@ -1,8 +1,9 @@
 """attention_cpu's fused elementwise kernels (fused_ops.c) and the seam that supplies them to
 ``hitchllm.models.fused``: every kernel against a float64 reference on random inputs of odd
-sizes (one row, a few, enough for the threaded path), against PyTorch's eager functions (rotary
-bit for bit; the bfloat16 norms and SiLU at most one bfloat16 unit apart, and rarely), the
-seam's dispatch and fallbacks, and engines with the kernels against the same engine without."""
+sizes (one row, a few, enough for the threaded path), against PyTorch's eager functions (rotary,
+the float32 norms, q/k norm and SiLU bit for bit; bfloat16 SiLU at most one bfloat16 unit
+apart, and rarely), the seam's dispatch and fallbacks, and engines with the kernels against
+the same engine without."""
 
 from __future__ import annotations
 
@@ -107,7 +108,9 @@ def test_rms_norm_matches_float64(dtype, rows, width, with_residual):
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("rows,width", SHAPES)
-def test_silu_and_mul_matches_float64(dtype, rows, width):
+def test_silu_and_mul_matches_float64(kernels_installed, dtype, rows, width):
+    if dtype == torch.float32 and not cpu_fused.float32_exact():
+        pytest.skip("float32 SiLU needs PyTorch's exponential (libtorch exports none here)")
     torch.manual_seed(rows + width)
     x = (torch.randn(rows, 2 * width + 3) * 4)[:, : 2 * width].to(dtype)
     x[0, 0], x[0, width] = -100.0, 1.0  # exp's clamped range: silu(-100) is -0.0 here
@@ -175,12 +178,53 @@ def test_bf16_norms_and_silu_track_eager(kernels_installed, rows, width):
     assert_near_eager(fused.silu_and_mul(g), eager(fused.silu_and_mul, g))
 
 
-def test_float32_silu_stays_pytorch(kernels_installed):
-    # Bit for bit with transformers in float32 is kept by leaving SiLU to PyTorch (the norms
-    # reproduce PyTorch's sum order: tests/test_cpug_norm.py).
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("rows,width", [(1, 512), (32, 768), (5, 37), (257, 333), (64, 1000)])
+def test_float32_silu_is_pytorchs_bit_for_bit(kernels_installed, threads, rows, width):
+    """Sleef's exponential on ATen's chunks, glibc's expf on the rest of each run; rows cut
+    where ATen shares the elements among threads (over 32,768 of them: 257 x 333 and 64 x
+    1000 are cut inside rows at two and three threads)."""
+    if not cpu_fused.float32_exact():
+        pytest.skip("libtorch exports no exponential of the kernel's width here")
+    torch.manual_seed(rows * width)
+    x = (torch.randn(rows, 2 * width + 5) * 6)[:, : 2 * width]  # strided rows
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = fused.silu_and_mul(x)
+        want = eager(fused.silu_and_mul, x)
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(got, want), int((got != want).sum())
+
+
+@pytest.mark.parametrize("rows,d", [(1, 32), (9, 64), (300, 128)])
+def test_float32_qk_norm_rotary_is_pytorchs_bit_for_bit(kernels_installed, rows, d):
+    if not cpu_fused.float32_exact():
+        pytest.skip("PyTorch's float32 summation order not found here")
+    torch.manual_seed(rows + d)
+    rope = RotaryEmbedding(d, max_position=256, theta=1e6, scaling=None)
+    q, k, _ = (torch.randn(rows, 8 * d) * 2).split([4 * d, 2 * d, 2 * d], dim=-1)
+    q, k = q.reshape(rows, 4, d), k.reshape(rows, 2, d)
+    qw, kw = torch.randn(d), torch.randn(d)
+    positions = torch.randint(0, 256, (rows,))
+    got = cpu_fused.qk_norm_rotary(positions, q, k, qw, kw, EPS, rope.cos, rope.sin)
+    assert got is not None
+    want = eager(fused.qk_norm_rotary, positions, q, k, qw, kw, EPS, rope.cos, rope.sin)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_float32_kernels_pass_without_pytorchs_numerics(kernels_installed, monkeypatch):
+    """With neither the summation order nor the exponential found, float32 stays PyTorch's."""
+    monkeypatch.setattr(cpu_fused, "silu_chunk", lambda: None)
+    monkeypatch.setattr(cpu_fused, "sum_lanes", lambda: None)
+    cpu_fused.install()
     x, w = torch.randn(4, 64), torch.randn(64)
+    assert not cpu_fused.float32_exact()
     assert cpu_fused.silu_and_mul(torch.randn(4, 64)) is None
-    assert torch.equal(fused.rms_norm(x, w, EPS), eager(fused.rms_norm, x, w, EPS))
+    assert cpu_fused.rms_norm(x, w, EPS) is None
+    monkeypatch.undo()
+    cpu_fused.install()
     half = torch.randn(4, 64).half()  # no kernel for float16
     assert cpu_fused.rms_norm(half, w.half(), EPS) is None
 

@@ -70,6 +70,8 @@ FUSED_SYMBOLS = {
                      _INT],
     "hitch_write_kv": [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I],
     "hitch_set_sum_lanes": [_INT],
+    "hitch_silu_exp_lanes": [],
+    "hitch_set_silu_exp": [_P, _I],
 }
 AMX_SOURCE = Path(__file__).with_name("amx_linear.c")
 # Included by every source above.

@@ -1,10 +1,14 @@
-/* A Llama-family decoder layer of a bfloat16 decode step in one call, for attention_cpu's
-   decode_layer.py: the plugin's kernels (fused_ops.c, amx_linear.c, paged_attention.c, each
-   built in its own library with its own flags) called in the order the layer's modules call
-   them, on the same inputs, through function pointers the Python side takes from those
-   libraries. Nothing is computed here but the two conversions around the attention kernel
-   (bfloat16 queries widened to float32: exact; float32 outputs rounded to bfloat16 to nearest
-   even, as torch's .to does), so the result equals the modules' bit for bit.
+/* A Llama-family decoder layer of a decode step in one call, for attention_cpu's
+   decode_layer.py: the kernels the layer's modules call, in their order, on the same inputs,
+   through function pointers the Python side takes from the libraries that hold them. In
+   bfloat16 those are the plugin's (fused_ops.c, amx_linear.c, paged_attention.c, each built in
+   its own library with its own flags), and nothing is computed here but the two conversions
+   around the attention kernel (bfloat16 queries widened to float32: exact; float32 outputs
+   rounded to bfloat16 to nearest even, as torch's .to does). In float32 the linears are MKL's
+   in libtorch, called as the modules call them: a weight packed for 32 rows
+   (cblas_sgemm_compute, mkl_linear.py) for 16-32 rows, else sgemm_ as F.linear calls it; the
+   rest are the plugin's kernels, whose float32 paths equal PyTorch's. So the result equals the
+   modules' bit for bit in both dtypes.
 
    Threads. With two threads, the attention kernel's units (a request and KV head each) are
    shared with one helper thread of this library instead of an OpenMP team: on a decode step
@@ -22,13 +26,14 @@
    in case the helper was preempted on it). A child forked from the process has no helper
    thread (fork copies only the calling thread): there every call computes alone. Every
    unit is computed by one thread with the same code, so the output does not depend on who
-   computed it. Every other kernel runs on the calling thread at two threads (their calls are
-   10-40 us: a sleeping OpenMP thread would cost more than it saves); with more threads
-   everything keeps the OpenMP paths.
+   computed it. The plugin's other kernels run on the calling thread at two threads (their
+   calls are 10-40 us: a sleeping OpenMP thread would cost more than it saves); with more
+   threads everything keeps the OpenMP paths. MKL's GEMMs use MKL's own threads, as in the
+   modules (their results can depend on the thread count).
 
-   Layouts: hidden, residual, out, total [rows, hidden_size] bfloat16 contiguous; the layer's
-   AMX weights prepacked as amx_linear.c takes them; the KV caches [kv_heads, slots, d]
-   bfloat16 (slots = cache blocks x block size). rows <= 32. */
+   Layouts: hidden, residual, out, total [rows, hidden_size] in the model dtype, contiguous;
+   the layer's weights as the kernels take them (above); the KV caches [kv_heads, slots, d] in
+   the model dtype (slots = cache blocks x block size). rows <= PACKED_ROWS. */
 
 #define _POSIX_C_SOURCE 200809L /* clock_gettime, sched_yield under -std=c11 */
 #include <pthread.h>
@@ -41,13 +46,30 @@
 
 #include "cpu_numerics.h"
 
-enum { BF16 = 1, KV_BF16 = 1 };
+/* dtype codes (fused_ops.c's, and paged_attention.c's kv_format for these two). */
+enum { F32 = 0, BF16 = 1 };
+/* CBLAS's constants (mkl_cblas.h). */
+enum { CBLAS_ROW_MAJOR = 101, CBLAS_NO_TRANS = 111, CBLAS_PACKED = 151 };
+/* The row count MKL's packed weights are made for (mkl_linear.PACKED_ROWS), and the most
+   rows a call takes. */
+#define PACKED_ROWS 32
+/* The layer's linears, in the order of layer_params' weight arrays. */
+enum { QKV = 0, O_PROJ = 1, GATE_UP = 2, DOWN = 3 };
 
 typedef int (*rms_norm_fn)(const void *x, int64_t x_stride, const void *residual,
                            int64_t res_stride, void *sum_out, const void *weight, void *out,
                            int64_t rows, int64_t width, float eps, int dtype, int num_threads);
-typedef int (*linear_fn)(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
-                         const uint16_t *w_packed, int64_t n, uint16_t *out, int num_threads);
+typedef int (*amx_linear_fn)(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
+                             const uint16_t *w_packed, int64_t n, uint16_t *out,
+                             int num_threads);
+/* MKL's Fortran sgemm_ and cblas_sgemm_compute (LP64: int). */
+typedef void (*sgemm_fn)(const char *transa, const char *transb, const int *m, const int *n,
+                         const int *k, const float *alpha, const float *a, const int *lda,
+                         const float *b, const int *ldb, const float *beta, float *c,
+                         const int *ldc);
+typedef void (*sgemm_compute_fn)(int layout, int transa, int transb, int m, int n, int k,
+                                 const float *a, int lda, const void *b, int ldb, float beta,
+                                 float *c, int ldc);
 typedef int (*rotary_fn)(const int64_t *positions, const void *q, int64_t q_stride,
                          int64_t q_heads, void *q_out, const void *k, int64_t k_stride,
                          int64_t k_heads, void *k_out, int64_t rows, int64_t d,
@@ -66,8 +88,11 @@ typedef int (*attention_claim_fn)(HITCH_ATTENTION_PARAMS, int64_t *cursor);
 
 /* What stays the same from step to step (set once per layer by decode_layer.py). */
 typedef struct {
+    int dtype;
     rms_norm_fn rms_norm;
-    linear_fn linear;
+    amx_linear_fn amx_linear; /* bfloat16 */
+    sgemm_fn sgemm;           /* float32 */
+    sgemm_compute_fn sgemm_compute;
     rotary_fn rotary;
     write_kv_fn write_kv;
     silu_and_mul_fn silu_and_mul;
@@ -75,7 +100,11 @@ typedef struct {
     attention_claim_fn attention_claim;
     const void *input_norm, *post_norm, *q_norm, *k_norm; /* q/k norms: NULL but for Qwen3 */
     float input_eps, post_eps, qk_eps;
-    const uint16_t *qkv, *o_proj, *gate_up, *down; /* packed weights */
+    /* By linear (QKV ...): bfloat16 the AMX-packed weights; float32 MKL's packed copy (NULL
+       where the module has none) for min_packed_rows to PACKED_ROWS rows, else weight. */
+    const void *packed[4];
+    const float *weight[4];
+    int64_t min_packed_rows;
     int64_t hidden, heads, kv_heads, head_size, intermediate;
     const float *cos, *sin;
     int64_t max_position;
@@ -156,7 +185,7 @@ static int run_job(attention_job *j) {
     return j->claim(j->q, j->k_cache, j->v_cache, j->out, s->q_start, s->q_len, s->context_len,
                     s->block_table, s->bt_stride, s->num_reqs, p->heads, p->kv_heads,
                     p->head_size, j->block_size, j->cache_blocks, p->scale, p->softcap,
-                    p->window, KV_BF16, NULL, NULL, &j->cursor);
+                    p->window, p->dtype, NULL, NULL, &j->cursor);
 }
 
 static void *helper_main(void *unused) {
@@ -218,7 +247,7 @@ static int attend(const layer_params *p, const step_params *s, const float *q, f
         return p->attention(q, k_cache, v_cache, out, s->q_start, s->q_len, s->context_len,
                             s->block_table, s->bt_stride, s->num_reqs, p->heads, p->kv_heads,
                             p->head_size, block_size, cache_blocks, p->scale, p->softcap,
-                            p->window, KV_BF16, NULL, NULL, num_threads);
+                            p->window, p->dtype, NULL, NULL, num_threads);
     }
     attention_job mine = {p->attention_claim, q, k_cache, v_cache, out, s, p, cache_blocks,
                           block_size, 0, 0};
@@ -259,56 +288,103 @@ static int attend(const layer_params *p, const step_params *s, const float *q, f
 
 /* ---- the layer -------------------------------------------------------------------------- */
 
+static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+/* out[rows, n] = x[rows, k] @ W.T for the layer's linear `which`, as its module computes it.
+   pad: PACKED_ROWS * (k + n) floats, for the packed GEMM's rows beyond `rows` (zeros). */
+static int linear(const layer_params *p, int which, const void *x, int64_t rows, int64_t k,
+                  int64_t n, void *out, float *pad, int threads) {
+    if (p->dtype == BF16) {
+        return p->amx_linear(x, k, rows, k, p->packed[which], n, out, threads) != 0
+                   ? DECODE_BAD_SHAPE : DECODE_OK;
+    }
+    const int ki = (int)k, ni = (int)n, mi = (int)rows;
+    if (p->packed[which] != NULL && rows >= p->min_packed_rows) {
+        const float *in = x;
+        float *result = out;
+        if (rows < PACKED_ROWS) { /* mkl_linear.py pads to the packed row count */
+            memcpy(pad, x, sizeof(float) * rows * k);
+            memset(pad + rows * k, 0, sizeof(float) * (PACKED_ROWS - rows) * k);
+            in = pad;
+            result = pad + PACKED_ROWS * k;
+        }
+        p->sgemm_compute(CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, CBLAS_PACKED, PACKED_ROWS, ni, ki, in,
+                         ki, p->packed[which], ki, 0.0f, result, ni);
+        if (result != out) {
+            memcpy(out, result, sizeof(float) * rows * n);
+        }
+        return DECODE_OK;
+    }
+    /* F.linear's call (ATen's addmm: the column-major product W x^T). */
+    const float one = 1.0f, zero = 0.0f;
+    p->sgemm("T", "N", &ni, &mi, &ki, &one, p->weight[which], &ki, x, &ki, &zero, out, &ni);
+    return DECODE_OK;
+}
+
 /* out = the layer's MLP output, total = its residual stream after attention (see
    PreNormDecoderLayer.forward). residual NULL: the first layer, whose residual stream is
    hidden itself. Returns one of the DECODE_ codes (outputs and cache partly written unless 0). */
-int hitch_decode_layer(const layer_params *p, const step_params *s, const uint16_t *hidden,
-                       const uint16_t *residual, uint16_t *out, uint16_t *total,
-                       void *k_cache, void *v_cache, int64_t cache_blocks, int64_t block_size,
-                       int64_t rows, int num_threads) {
-    const int64_t h = p->hidden, d = p->head_size;
+int hitch_decode_layer(const layer_params *p, const step_params *s, const void *hidden,
+                       const void *residual, void *out, void *total, void *k_cache,
+                       void *v_cache, int64_t cache_blocks, int64_t block_size, int64_t rows,
+                       int num_threads) {
+    const int64_t h = p->hidden, d = p->head_size, inter = p->intermediate;
     const int64_t q_size = p->heads * d, kv_size = p->kv_heads * d;
     const int64_t qkv_size = q_size + 2 * kv_size;
-    /* bf16 scratch: normed, residual sum, qkv, q, k, attention output, o, gate_up, activated;
-       float32: q, attention output. */
-    const size_t halves = (size_t)rows * (3 * h + qkv_size + 2 * q_size + kv_size
-                                          + 3 * p->intermediate);
-    const size_t bytes = halves * 2 + (size_t)rows * 2 * q_size * 4;
-    char *scratch = malloc(bytes);
+    const int bf16 = p->dtype == BF16;
+    const size_t esize = bf16 ? 2 : 4;
+    if (rows > PACKED_ROWS) {
+        return DECODE_BAD_SHAPE;
+    }
+    /* Scratch in the model dtype: normed, residual sum, qkv, q, k, attention output, o,
+       gate_up, activated; float32: the attention kernel's q and output (bfloat16: widened
+       copies; float32: q and the output above), and the packed GEMM's padding. */
+    const int64_t widest = max64(max64(h, q_size), inter), longest = max64(qkv_size, 2 * inter);
+    const size_t elements = (size_t)rows * (3 * h + qkv_size + 2 * q_size + kv_size + 3 * inter);
+    const size_t floats = (bf16 ? (size_t)rows * 2 * q_size : 0)
+                          + (bf16 ? 0 : (size_t)PACKED_ROWS * (widest + longest));
+    char *scratch = malloc(floats * 4 + elements * esize);
     if (scratch == NULL) {
         return DECODE_NO_MEMORY;
     }
-    float *q32 = (float *)scratch, *attended32 = q32 + rows * q_size;
-    uint16_t *normed = (uint16_t *)(attended32 + rows * q_size);
-    uint16_t *sum = normed + rows * h, *qkv = sum + rows * h, *q = qkv + rows * qkv_size;
-    uint16_t *k = q + rows * q_size, *attended = k + rows * kv_size;
-    uint16_t *o = attended + rows * q_size, *gate_up = o + rows * h;
-    uint16_t *activated = gate_up + rows * 2 * p->intermediate;
+    float *pad = (float *)scratch, *q32 = pad, *attended32 = q32 + rows * q_size;
+    char *normed = scratch + floats * 4;
+    char *sum = normed + rows * h * esize, *qkv = sum + rows * h * esize;
+    char *q = qkv + rows * qkv_size * esize, *k = q + rows * q_size * esize;
+    char *attended = k + rows * kv_size * esize, *o = attended + rows * q_size * esize;
+    char *gate_up = o + rows * h * esize, *activated = gate_up + rows * 2 * inter * esize;
+    if (!bf16) { /* the kernel reads the rotated queries and writes the output in place */
+        q32 = (float *)q;
+        attended32 = (float *)attended;
+    }
     int status = DECODE_OK;
     /* At two threads only the attention kernel is shared (with the helper); see above. */
     const int threads = num_threads == 2 ? 1 : num_threads;
 
-    const uint16_t *stream = residual == NULL ? hidden : sum;
+    const void *stream = residual == NULL ? hidden : sum;
     p->rms_norm(hidden, h, residual, h, residual == NULL ? NULL : sum, p->input_norm, normed,
-                rows, h, p->input_eps, BF16, threads);
-    if (p->linear(normed, h, rows, h, p->qkv, qkv_size, qkv, threads) != 0) {
-        status = DECODE_BAD_SHAPE;
+                rows, h, p->input_eps, p->dtype, threads);
+    if ((status = linear(p, QKV, normed, rows, h, qkv_size, qkv, pad, threads)) != DECODE_OK) {
         goto done;
     }
-    if (p->rotary(s->positions, qkv, qkv_size, p->heads, q, qkv + q_size, qkv_size,
+    if (p->rotary(s->positions, qkv, qkv_size, p->heads, q, qkv + q_size * esize, qkv_size,
                   p->kv_heads, k, rows, d, p->cos, p->sin, p->max_position, p->q_norm,
-                  p->k_norm, p->qk_eps, BF16, threads) != 0) {
+                  p->k_norm, p->qk_eps, p->dtype, threads) != 0) {
         status = DECODE_BAD_POSITION;
         goto done;
     }
-    if (p->write_kv(k, kv_size, qkv + q_size + kv_size, qkv_size, k_cache, v_cache, s->slots,
-                    rows, p->kv_heads, d, cache_blocks * block_size, 2) != 0) {
+    if (p->write_kv(k, kv_size, qkv + (q_size + kv_size) * esize, qkv_size, k_cache, v_cache,
+                    s->slots, rows, p->kv_heads, d, cache_blocks * block_size,
+                    (int64_t)esize) != 0) {
         status = DECODE_BAD_SLOT;
         goto done;
     }
-    for (int64_t i = 0; i < rows * q_size; ++i) {
-        const uint32_t u = (uint32_t)q[i] << 16;
-        memcpy(q32 + i, &u, 4);
+    if (bf16) {
+        const uint16_t *q16 = (const uint16_t *)q;
+        for (int64_t i = 0; i < rows * q_size; ++i) {
+            const uint32_t u = (uint32_t)q16[i] << 16;
+            memcpy(q32 + i, &u, 4);
+        }
     }
     memset(attended32, 0, sizeof(float) * rows * q_size);
     if (attend(p, s, q32, attended32, k_cache, v_cache, cache_blocks, block_size,
@@ -316,26 +392,27 @@ int hitch_decode_layer(const layer_params *p, const step_params *s, const uint16
         status = DECODE_NO_MEMORY;
         goto done;
     }
-    for (int64_t i = 0; i < rows * q_size; ++i) {
-        attended[i] = f32_to_bf16(attended32[i]);
+    if (bf16) {
+        for (int64_t i = 0; i < rows * q_size; ++i) {
+            ((uint16_t *)attended)[i] = f32_to_bf16(attended32[i]);
+        }
     }
-    if (p->linear(attended, q_size, rows, q_size, p->o_proj, h, o, threads) != 0) {
-        status = DECODE_BAD_SHAPE;
+    if ((status = linear(p, O_PROJ, attended, rows, q_size, h, o, pad, threads)) != DECODE_OK) {
         goto done;
     }
-    p->rms_norm(o, h, stream, h, total, p->post_norm, normed, rows, h, p->post_eps, BF16,
+    p->rms_norm(o, h, stream, h, total, p->post_norm, normed, rows, h, p->post_eps, p->dtype,
                 threads);
-    if (p->linear(normed, h, rows, h, p->gate_up, 2 * p->intermediate, gate_up,
-                  threads) != 0) {
+    if ((status = linear(p, GATE_UP, normed, rows, h, 2 * inter, gate_up, pad,
+                         threads)) != DECODE_OK) {
+        goto done;
+    }
+    /* SiLU's float32 result depends on how ATen would split it among torch's threads. */
+    if (p->silu_and_mul(gate_up, 2 * inter, activated, rows, inter, p->dtype,
+                        bf16 ? threads : num_threads) != 0) {
         status = DECODE_BAD_SHAPE;
         goto done;
     }
-    p->silu_and_mul(gate_up, 2 * p->intermediate, activated, rows, p->intermediate, BF16,
-                    threads);
-    if (p->linear(activated, p->intermediate, rows, p->intermediate, p->down, h, out,
-                  threads) != 0) {
-        status = DECODE_BAD_SHAPE;
-    }
+    status = linear(p, DOWN, activated, rows, inter, h, out, pad, threads);
 done:
     free(scratch);
     return status;

@@ -10,10 +10,11 @@ kernel takes:
   the sum of squares is added in the order of ATen's CPU sum kernel, whose vector width
   ``install`` finds by comparing with torch (``sum_lanes``). Where neither width reproduces
   torch (another build or CPU), float32 keeps the eager code.
-- ``qk_norm_rotary``, ``silu_and_mul``: bfloat16 only. SiLU's exponential is not PyTorch's
-  (Sleef's), so the float32 result can differ in the last bit; float32 runs (whose greedy
-  tokens are compared bit for bit with transformers) keep the eager code. In bfloat16 the
-  difference shows only where a float32 value sits on a bfloat16 rounding boundary.
+- ``qk_norm_rotary``: bfloat16, and float32 where the norms are PyTorch's (above).
+- ``silu_and_mul``: bfloat16, and float32 where ``install`` finds PyTorch's vector exponential
+  in libtorch and the chunking of ATen's loop (``silu_chunk``): equal to ``F.silu(gate) * up``
+  bit for bit. In bfloat16 the exponential is a polynomial of the kernel's own, so a result
+  can differ by one bfloat16 unit where a float32 value sits on a rounding boundary.
 
 Anything else (float16, a layout the kernel does not read: a row that is not contiguous, a
 weight in another dtype) returns None, and the function runs as written in PyTorch.
@@ -22,6 +23,7 @@ weight in another dtype) returns None, and the function runs as written in PyTor
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from hitchllm_attention_cpu.compiler import load_fused_ops
 
@@ -31,6 +33,13 @@ _LANE_CANDIDATES = (8, 16)
 # Row widths that tell the orders apart (under one vector, odd tails, several cascade levels).
 _PROBE_WIDTHS = (7, 13, 192, 1031, 4099)
 _norm_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)
+_silu_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)
+# Elements per chunk of ATen's vectorized loop (two vectors: AVX-512, AVX2), in the order tried.
+_SILU_CHUNK_CANDIDATES = (32, 16)
+# Row widths that tell the chunkings apart (a row under one chunk, odd tails).
+_SILU_PROBE_WIDTHS = (7, 31, 47, 100, 512)
+# Sleef's float32 exponential in libtorch, by vector width.
+_SLEEF_EXP = {16: "Sleef_expf16_u10", 8: "Sleef_expf8_u10"}
 # ATen's GRAIN_SIZE: a sum with one output over this many values or more is split among threads.
 _SPLIT_ROW = 32768
 
@@ -50,6 +59,31 @@ def sum_lanes() -> int | None:
                for (x, w), want in zip(probes, wants, strict=True)):
             return lanes
     functions["hitch_set_sum_lanes"](_LANE_CANDIDATES[0])
+    return None
+
+
+def silu_chunk() -> int | None:
+    """The chunk length with which fused_ops.c's float32 SiLU-and-mul equals PyTorch's
+    ``F.silu(gate) * up`` bit for bit on random rows (each candidate tried with libtorch's
+    exponential, the match left set in the library), or None where none does or libtorch
+    exports no exponential of the kernel's vector width (float32 SiLU then stays
+    PyTorch's)."""
+    from hitchllm_attention_cpu import torch_symbols
+
+    functions = load_fused_ops().functions
+    name = _SLEEF_EXP.get(functions["hitch_silu_exp_lanes"]())  # 0: built without AVX2
+    exp = None if name is None else torch_symbols.address(name)
+    if exp is None:
+        return None
+    generator = torch.Generator().manual_seed(0)
+    probes = [torch.randn(3, 2 * n, generator=generator) * 8 for n in _SILU_PROBE_WIDTHS]
+    wants = [F.silu(x[:, : x.shape[1] // 2]) * x[:, x.shape[1] // 2:] for x in probes]
+    for chunk in _SILU_CHUNK_CANDIDATES:
+        if functions["hitch_set_silu_exp"](exp, chunk) == 0 and all(
+                torch.equal(_c_silu_and_mul(x), want)
+                for x, want in zip(probes, wants, strict=True)):
+            return chunk
+    functions["hitch_set_silu_exp"](None, _SILU_CHUNK_CANDIDATES[0])
     return None
 
 
@@ -111,16 +145,21 @@ def add_rms_norm(
     return out, total
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
-    if gate_up.dtype != torch.bfloat16 or gate_up.dim() != 2 or not _rows_ok(gate_up) \
-            or gate_up.shape[1] % 2:
-        return None
+def _c_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     width = gate_up.shape[1] // 2
     out = torch.empty(gate_up.shape[0], width, dtype=gate_up.dtype)
-    load_fused_ops().functions["hitch_silu_and_mul"](
-        gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), gate_up.shape[0], width, 1,
-        torch.get_num_threads())
+    if load_fused_ops().functions["hitch_silu_and_mul"](
+            gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), gate_up.shape[0], width,
+            _DTYPE_CODE[gate_up.dtype], torch.get_num_threads()) != 0:
+        return None
     return out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    if gate_up.dtype not in _silu_dtypes or gate_up.dim() != 2 or not _rows_ok(gate_up) \
+            or gate_up.shape[1] % 2:
+        return None
+    return _c_silu_and_mul(gate_up)
 
 
 def _rotary(
@@ -167,7 +206,7 @@ def qk_norm_rotary(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
     k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    if q.dtype != torch.bfloat16:
+    if q.dtype not in _norm_dtypes:
         return None
     return _rotary(positions, q, k, cos, sin, (q_weight, k_weight), eps)
 
@@ -176,12 +215,19 @@ KERNELS = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "rotary": rotary,
            "qk_norm_rotary": qk_norm_rotary, "silu_and_mul": silu_and_mul}
 
 
+def float32_exact() -> bool:
+    """Whether every kernel takes float32 (PyTorch's results bit for bit): after
+    ``install`` found both the norms' summation order and SiLU's exponential."""
+    return torch.float32 in _norm_dtypes and torch.float32 in _silu_dtypes
+
+
 def install() -> None:
     """Register the kernels for the CPU (builds fused_ops.c on first use; raises
     ``KernelBuildError`` when it cannot); the norms take float32 too where ``sum_lanes`` finds
-    PyTorch's order."""
-    global _norm_dtypes
+    PyTorch's order, SiLU where ``silu_chunk`` finds PyTorch's exponential."""
+    global _norm_dtypes, _silu_dtypes
     from hitchllm.models import fused
 
     _norm_dtypes = (torch.bfloat16,) if sum_lanes() is None else (torch.bfloat16, torch.float32)
+    _silu_dtypes = (torch.bfloat16,) if silu_chunk() is None else (torch.bfloat16, torch.float32)
     fused.register_device_kernels("cpu", KERNELS)

@@ -12,10 +12,12 @@
    (round to nearest even) where PyTorch stores a bfloat16 intermediate. Built without
    floating-point contraction or reassociation (compiler.py's FUSED_FLAGS), so rotary (products
    and sums only) equals PyTorch's bit for bit in float32 and bfloat16, and so does RMSNorm,
-   whose sum of squares follows ATen's summation order (aten_sum). One thing PyTorch does its
-   own way remains: the exponential in SiLU (ours: a polynomial, relative error ~1e-7), so
-   SiLU can differ from PyTorch in the last float32 bit and, rarely, by one bfloat16 unit
-   after rounding (the Python side uses it for bfloat16 only).
+   whose sum of squares follows ATen's summation order (aten_sum). SiLU in float32 calls
+   PyTorch's own vector exponential (Sleef's expf u10 in libtorch, whose address fused.py hands
+   over) on the elements ATen's loop gives it and glibc's expf on the rest (silu_f32_row), so
+   it equals F.silu bit for bit too; in bfloat16 the exponential is a polynomial (relative
+   error ~1e-7), so SiLU can differ from PyTorch's by one bfloat16 unit after rounding, rarely
+   (the Python side accepts that for bfloat16 only).
 
    dtype: 0 float32, 1 bfloat16, for every tensor argument but positions (int64) and the
    rotary tables (float32 [max_position, head_size / 2]). Rows may be strided (stride in
@@ -250,10 +252,87 @@ static inline INLINE float silu(float x) {
     return (x >= 0.0f ? x : x * e) / (1.0f + e);
 }
 
-/* out[t, i] = round(silu(x[t, i])) * x[t, width + i] for rows of 2 * width inputs. */
+/* PyTorch's float32 SiLU, x / (1 + exp(-x)), is an ATen elementwise loop: over each
+   contiguous run of elements it computes whole chunks of two vectors with the vector
+   exponential (Sleef_expf16_u10 in torch's AVX-512 kernels, Sleef_expf8_u10 in its AVX2 ones:
+   the same values) and the run's remaining elements with std::exp (glibc's expf). A run is a
+   row of the gate, cut where at::parallel_for splits the [rows, width] elements among
+   threads (more than ATEN_GRAIN_SIZE elements and more than one thread: equal contiguous
+   shares). fused.py looks up the exponential in libtorch and finds the chunk length by
+   comparing with F.silu (hitch_set_silu_exp); without them float32 SiLU is not computed. */
+#if defined(__AVX512F__)
+typedef float exp_vector __attribute__((vector_size(64)));
+#elif defined(__AVX2__)
+typedef float exp_vector __attribute__((vector_size(32)));
+#endif
+#define ATEN_GRAIN_SIZE 32768
+
+#ifdef __AVX2__ /* AVX-512 implies it */
+enum { EXP_LANES = sizeof(exp_vector) / sizeof(float) };
+static exp_vector (*torch_exp)(exp_vector);
+static int64_t silu_chunk;
+
+int hitch_silu_exp_lanes(void) { return EXP_LANES; }
+
+int hitch_set_silu_exp(void *exp, int64_t chunk) {
+    if (chunk <= 0 || chunk % EXP_LANES != 0) {
+        return -1;
+    }
+    torch_exp = (exp_vector(*)(exp_vector))exp;
+    silu_chunk = chunk;
+    return 0;
+}
+
+/* out[i] = silu(g[i]) * u[i] over one run of n elements, as ATen computes silu there. */
+static void silu_f32_run(const float *g, const float *u, float *out, int64_t n) {
+    int64_t i = 0;
+    for (; i + silu_chunk <= n; i += silu_chunk) {
+        for (int64_t j = i; j < i + silu_chunk; j += EXP_LANES) {
+            exp_vector v;
+            memcpy(&v, g + j, sizeof(v));
+            v = v / (1.0f + torch_exp(-v));
+            for (int l = 0; l < EXP_LANES; ++l) {
+                out[j + l] = v[l] * u[j + l];
+            }
+        }
+    }
+    for (; i < n; ++i) {
+        out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+#else
+int hitch_silu_exp_lanes(void) { return 0; }
+
+int hitch_set_silu_exp(void *exp, int64_t chunk) {
+    (void)exp, (void)chunk;
+    return -1;
+}
+#endif
+
+/* out[t, i] = round(silu(x[t, i])) * x[t, width + i] for rows of 2 * width inputs. float32
+   needs hitch_set_silu_exp first, and num_threads must be torch's thread count (it fixes
+   where ATen splits the rows); returns -1 without the exponential, else 0. */
 int hitch_silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t rows, int64_t width,
                        int dtype, int num_threads) {
     const int64_t esize = dtype == BF16 ? 2 : 4;
+#ifdef __AVX2__
+    if (dtype != BF16 && torch_exp == NULL) {
+        return -1;
+    }
+    /* at::parallel_for's share of the rows * width elements per thread (all of them when
+       ATen stays on one thread). */
+    const int64_t numel = rows * width;
+    int64_t shares = 1;
+    if (numel > ATEN_GRAIN_SIZE && num_threads > 1) {
+        shares = (numel + ATEN_GRAIN_SIZE - 1) / ATEN_GRAIN_SIZE;
+        shares = shares < num_threads ? shares : num_threads;
+    }
+    const int64_t share = (numel + shares - 1) / shares;
+#else
+    if (dtype != BF16) {
+        return -1;
+    }
+#endif
 #pragma omp parallel for num_threads(num_threads) schedule(static) \
     if (num_threads > 1 && rows > 1 && rows * width >= PARALLEL_MIN_WORK)
     for (int64_t t = 0; t < rows; ++t) {
@@ -266,10 +345,17 @@ int hitch_silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t rows,
                 ((uint16_t *)o)[i] = f32_to_bf16(s * bf16_to_f32(u[i]));
             }
         } else {
+#ifdef __AVX2__
             const float *g = (const float *)xr, *u = g + width;
-            for (int64_t i = 0; i < width; ++i) {
-                ((float *)o)[i] = silu(g[i]) * u[i];
+            /* The row's runs: cut at every multiple of share. */
+            for (int64_t i = 0; i < width;) {
+                const int64_t at = t * width + i;
+                const int64_t end = (at / share + 1) * share - t * width;
+                const int64_t n = (end < width ? end : width) - i;
+                silu_f32_run(g + i, u + i, (float *)o + i, n);
+                i += n;
             }
+#endif
         }
     }
     return 0;

@@ -4,9 +4,12 @@
 on every call; at decode sizes that copy is a large part of the call (the bundled model's
 192 -> 1024 projection at 32 rows: 85-123 us, 57-101 us on a copy packed once; the LM head 192
 -> 4096: 411-451 vs 235-264 us; one or two threads, hot or cold caches). torch exposes MKL's
-packed GEMM (``cblas_sgemm_pack`` / ``cblas_sgemm_compute``) as
-``torch.ops.mkl._mkl_reorder_linear_weight`` and ``_mkl_linear``; the packed layout is made for
-one row count (32 here), so a call of 16-31 rows is padded with zero rows to 32.
+packed GEMM (``cblas_sgemm_pack`` / ``cblas_sgemm_compute``) through its operators, but
+packs into an opaque tensor whose address the decode layer's C code (decode_layer.py) cannot
+take; so the weight is packed here with libtorch's exported ``cblas_sgemm_pack`` into a plain
+buffer, and multiplied with its ``cblas_sgemm_compute`` (the same MKL functions with the same
+arguments as ``torch.ops.mkl._mkl_linear``). The packed layout is made for one row count (32
+here), so a call of 16-31 rows is padded with zero rows to 32.
 
 Bit for bit ``F.linear``: from about 16 rows on, MKL's ``sgemm`` computes each row in one
 order whatever the row count (below that it takes other paths, whose results depend on the
@@ -18,6 +21,7 @@ The copy costs the layer's weight memory once more.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 
@@ -26,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hitchllm.layers import CPU_F32_KERNEL
+from hitchllm_attention_cpu import torch_symbols
 from hitchllm_attention_cpu.amx_linear import unquantized_linears
 
 logger = logging.getLogger(__name__)
@@ -39,33 +44,80 @@ MIN_ROWS = 16
 MIN_WEIGHT_ELEMENTS = 96 * 1024
 
 
+# CBLAS's constants (mkl_cblas.h).
+_ROW_MAJOR, _NO_TRANS, _TRANS, _PACKED, _B_MATRIX = 101, 111, 112, 151, 162
+# MKL's packed buffers are read with aligned loads; the buffer must not move once packed.
+_ALIGNMENT = 64
+
+
+@functools.cache
+def _blas() -> dict[str, ctypes._CFuncPtr] | None:
+    """libtorch's packed-GEMM functions (MKL's LP64 interface: 32-bit integers), or None where
+    torch has no MKL or does not export them."""
+    if not torch.backends.mkl.is_available():
+        return None
+    functions = {name: torch_symbols.function(name) for name in (
+        "cblas_sgemm_pack_get_size", "cblas_sgemm_pack", "cblas_sgemm_compute", "sgemm_")}
+    if any(f is None for f in functions.values()):
+        return None
+    i, p = ctypes.c_int, ctypes.c_void_p
+    functions["cblas_sgemm_pack_get_size"].argtypes = [i, i, i, i]
+    functions["cblas_sgemm_pack_get_size"].restype = ctypes.c_size_t
+    functions["cblas_sgemm_pack"].argtypes = [i, i, i, i, i, i, ctypes.c_float, p, i, p]
+    functions["cblas_sgemm_pack"].restype = None
+    functions["cblas_sgemm_compute"].argtypes = [i, i, i, i, i, i, p, i, p, i, ctypes.c_float,
+                                                 p, i]
+    functions["cblas_sgemm_compute"].restype = None
+    return functions  # type: ignore[return-value]
+
+
 def available() -> bool:
-    """Whether this torch has MKL and its packed GEMM operators."""
-    return (torch.backends.mkl.is_available()
-            and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
-            and hasattr(torch.ops.mkl, "_mkl_linear"))
+    """Whether this torch has MKL and exports its packed GEMM."""
+    return _blas() is not None
+
+
+def gemm_addresses() -> tuple[int, int]:
+    """The addresses of libtorch's ``sgemm_`` (what ``F.linear`` calls in float32) and
+    ``cblas_sgemm_compute``, for C code that multiplies as this module and ``F.linear`` do
+    (decode_layer.c); requires ``available()``."""
+    blas = _blas()
+    assert blas is not None
+    return (ctypes.cast(blas["sgemm_"], ctypes.c_void_p).value or 0,
+            ctypes.cast(blas["cblas_sgemm_compute"], ctypes.c_void_p).value or 0)
 
 
 class MklPackedLinear:
     """``x @ W.T`` for float32 ``x`` of ``MIN_ROWS``-``PACKED_ROWS`` contiguous rows, on a copy
-    of ``W`` packed at construction for ``PACKED_ROWS`` rows; None for any other ``x``."""
+    of ``W`` packed at construction for ``PACKED_ROWS`` rows (``packed_address``); None for any
+    other ``x``."""
 
     def __init__(self, weight: torch.Tensor) -> None:
-        self.weight = weight.detach()
-        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, PACKED_ROWS)
-        self.k = weight.shape[1]
+        blas = _blas()
+        assert blas is not None, "check available() first"
+        self.n, self.k = weight.shape
+        self.weight = weight.detach()  # F.linear's, for the decode layer's other row counts
+        size = blas["cblas_sgemm_pack_get_size"](_B_MATRIX, PACKED_ROWS, self.n, self.k)
+        self._buffer = torch.empty(size + _ALIGNMENT, dtype=torch.uint8)
+        #: Where the packed weight starts (aligned) in a buffer this object keeps.
+        self.packed_address = -(-self._buffer.data_ptr() // _ALIGNMENT) * _ALIGNMENT
+        contiguous = self.weight.contiguous()
+        blas["cblas_sgemm_pack"](_ROW_MAJOR, _B_MATRIX, _TRANS, PACKED_ROWS, self.n, self.k,
+                                 1.0, contiguous.data_ptr(), self.k, self.packed_address)
+        self._compute = blas["cblas_sgemm_compute"]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
         rows = x.shape[0]
         if (x.dtype != torch.float32 or x.dim() != 2 or not MIN_ROWS <= rows <= PACKED_ROWS
                 or x.shape[1] != self.k or not x.is_contiguous() or x.requires_grad):
             return None
-        if rows == PACKED_ROWS:
-            return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, None, PACKED_ROWS)
-        padded = x.new_zeros(PACKED_ROWS, self.k)
-        padded[:rows] = x
-        out = torch.ops.mkl._mkl_linear(padded, self.packed, self.weight, None, PACKED_ROWS)
-        return out[:rows]
+        if rows != PACKED_ROWS:
+            padded = x.new_zeros(PACKED_ROWS, self.k)
+            padded[:rows] = x
+            x = padded
+        out = torch.empty(PACKED_ROWS, self.n)
+        self._compute(_ROW_MAJOR, _NO_TRANS, _PACKED, PACKED_ROWS, self.n, self.k, x.data_ptr(),
+                      self.k, self.packed_address, self.k, 0.0, out.data_ptr(), self.n)
+        return out if rows == PACKED_ROWS else out[:rows]
 
 
 @functools.cache

@@ -31,7 +31,7 @@ def hitchllm_model_loaded(model: torch.nn.Module, engine_config: EngineConfig) -
     fused functions, and in bfloat16 on a CPU with AMX give the linear layers the AMX kernel
     for decode-sized calls and the decoder layers their decode-step kernel (each built on
     first use; where one cannot be built, PyTorch's path stays, with a warning); in float32,
-    MKL's packed GEMM for 16-32 rows."""
+    MKL's packed GEMM for 16-32 rows and the decode-step kernel over MKL's GEMMs."""
     if not engine_config.enable_fusion:
         return
     first = next(iter(model.parameters()), None)
@@ -63,6 +63,8 @@ def hitchllm_model_loaded(model: torch.nn.Module, engine_config: EngineConfig) -
         layers = mkl_linear.install(model)
         logger.info("MKL packed GEMM for %d float32 linear layers of %d-%d rows", layers,
                     mkl_linear.MIN_ROWS, mkl_linear.PACKED_ROWS)
+        if fused_kernels:  # the decode layer calls the fused kernels and MKL directly
+            _install_decode_layers(model)
 
 
 def _install_decode_layers(model: torch.nn.Module) -> None:
@@ -75,4 +77,4 @@ def _install_decode_layers(model: torch.nn.Module) -> None:
         logger.warning("the decode layer's C code is unavailable (%s); decode steps run the "
                        "layers' modules", err)
     else:
-        logger.info("%d decoder layers run bfloat16 decode steps in one C call", count)
+        logger.info("%d decoder layers run decode steps in one C call", count)
