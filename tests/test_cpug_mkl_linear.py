@@ -55,6 +55,36 @@ def test_other_calls_pass():
     assert kernel(torch.randn(20, 33)) is None
 
 
+def test_any_default_dtype():
+    """The output is float32 whatever torch's default dtype (MKL writes 32 x n floats into
+    it: a buffer of the default dtype, bfloat16 say, would be half that)."""
+    weight = torch.randn(1024, 192, dtype=torch.float32)
+    x = torch.randn(20, 192, dtype=torch.float32)
+    default = torch.get_default_dtype()
+    try:
+        for dtype in (torch.bfloat16, torch.float64):
+            torch.set_default_dtype(dtype)
+            got = mkl_linear.MklPackedLinear(weight)(x)
+            assert got is not None and got.dtype == torch.float32
+            assert torch.equal(got, F.linear(x, weight))
+    finally:
+        torch.set_default_dtype(default)
+
+
+def test_a_lower_float32_matmul_precision_is_left_to_f_linear():
+    """``torch.set_float32_matmul_precision("medium")`` lets oneDNN multiply float32 in
+    bfloat16: the packed GEMM would not, so it passes while that holds."""
+    kernel = mkl_linear.MklPackedLinear(torch.randn(1024, 192))
+    x = torch.randn(32, 192)
+    assert mkl_linear.exact_float32() and kernel(x) is not None
+    try:
+        torch.set_float32_matmul_precision("medium")
+        assert not mkl_linear.exact_float32() and kernel(x) is None
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    assert mkl_linear.exact_float32() and kernel(x) is not None
+
+
 @pytest.fixture(scope="module")
 def engine_outputs(llama_path):
     """Greedy tokens and logprobs of 20 requests (decode steps of 16-20 rows), float32, with

@@ -65,7 +65,7 @@ _ARGTYPES = [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.
 # fused_ops.c's functions and their arguments (each returns an int status).
 FUSED_SYMBOLS = {
     "hitch_rms_norm": [_P, _I, _P, _I, _P, _P, _P, _I, _I, _F, _INT, _INT],
-    "hitch_silu_and_mul": [_P, _I, _P, _I, _I, _INT, _INT],
+    "hitch_silu_and_mul": [_P, _I, _P, _I, _I, _INT, _INT, _INT],
     "hitch_rotary": [_P, _P, _I, _I, _P, _P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _P, _F, _INT,
                      _INT],
     "hitch_write_kv": [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I],

@@ -46,8 +46,8 @@
 
 #include "cpu_numerics.h"
 
-/* dtype codes (fused_ops.c's, and paged_attention.c's kv_format for these two). */
-enum { F32 = 0, BF16 = 1 };
+/* The bfloat16 dtype code (fused_ops.c's, and paged_attention.c's kv_format; float32 is 0). */
+enum { BF16 = 1 };
 /* CBLAS's constants (mkl_cblas.h). */
 enum { CBLAS_ROW_MAJOR = 101, CBLAS_NO_TRANS = 111, CBLAS_PACKED = 151 };
 /* The row count MKL's packed weights are made for (mkl_linear.PACKED_ROWS), and the most
@@ -81,7 +81,7 @@ typedef int (*write_kv_fn)(const void *key, int64_t key_stride, const void *valu
                            const int64_t *slots, int64_t tokens, int64_t kv_heads, int64_t d,
                            int64_t cache_slots, int64_t esize);
 typedef int (*silu_and_mul_fn)(const void *x, int64_t x_stride, void *out, int64_t rows,
-                               int64_t width, int dtype, int num_threads);
+                               int64_t width, int dtype, int num_threads, int torch_threads);
 /* paged_attention.c's hitch_paged_attention (OpenMP) and hitch_paged_attention_claim. */
 typedef int (*attention_fn)(HITCH_ATTENTION_PARAMS, int num_threads);
 typedef int (*attention_claim_fn)(HITCH_ATTENTION_PARAMS, int64_t *cursor);
@@ -125,6 +125,7 @@ enum {
     DECODE_BAD_SLOT = 2,
     DECODE_NO_MEMORY = 3,
     DECODE_BAD_SHAPE = 4,
+    DECODE_NO_EXP = 5, /* float32 SiLU without PyTorch's exponential (fused.silu_chunk) */
 };
 
 /* ---- the helper thread ------------------------------------------------------------------ */
@@ -406,10 +407,11 @@ int hitch_decode_layer(const layer_params *p, const step_params *s, const void *
                          threads)) != DECODE_OK) {
         goto done;
     }
-    /* SiLU's float32 result depends on how ATen would split it among torch's threads. */
-    if (p->silu_and_mul(gate_up, 2 * inter, activated, rows, inter, p->dtype,
-                        bf16 ? threads : num_threads) != 0) {
-        status = DECODE_BAD_SHAPE;
+    /* SiLU's float32 result depends on how ATen would split it among torch's threads (not
+       on the threads that compute it). */
+    if (p->silu_and_mul(gate_up, 2 * inter, activated, rows, inter, p->dtype, threads,
+                        num_threads) != 0) {
+        status = DECODE_NO_EXP;
         goto done;
     }
     status = linear(p, DOWN, activated, rows, inter, h, out, pad, threads);

@@ -38,7 +38,8 @@ from hitchllm.attention import get_forward_context
 from hitchllm.layers import CPU_BF16_KERNEL, CPU_F32_KERNEL, UnquantizedLinearMethod
 from hitchllm.models.llama import LAYER_KERNEL, LlamaAttention, LlamaDecoderLayer, LlamaMLP
 from hitchllm_attention_cpu import fused, mkl_linear
-from hitchllm_attention_cpu.amx_linear import MAX_ROWS, AmxKernel
+from hitchllm_attention_cpu import amx_linear
+from hitchllm_attention_cpu.amx_linear import AmxKernel
 from hitchllm_attention_cpu.backend import CpuAttentionImpl, CpuAttentionMetadata
 from hitchllm_attention_cpu.compiler import (
     load_amx_linear,
@@ -78,14 +79,14 @@ class _StepParams(ctypes.Structure):
     ]
 
 
+#: The most rows a call takes (decode_layer.c's PACKED_ROWS; the AMX kernel's limit too).
+MAX_ROWS = min(amx_linear.MAX_ROWS, mkl_linear.PACKED_ROWS)
+
 # decode_layer.c's status codes.
-_BAD_POSITION, _BAD_SLOT, _NO_MEMORY = 1, 2, 3
+_BAD_POSITION, _BAD_SLOT, _NO_MEMORY, _NO_EXP = 1, 2, 3, 5
 # decode_layer.c's dtype codes, and where each dtype's linear kernels hang on a layer.
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
 _LINEAR_KERNEL = {torch.float32: CPU_F32_KERNEL, torch.bfloat16: CPU_BF16_KERNEL}
-# ATen sums a single row of this many float32 values or more in parts on several threads,
-# which fused_ops.c's norms do not reproduce (fused._SPLIT_ROW).
-_MAX_HIDDEN = 32768
 
 
 def _address(function: ctypes._CFuncPtr) -> int | None:
@@ -122,6 +123,8 @@ class DecodeLayerKernel:
                                   torch.Tensor], ...] = tuple(
             (module, module.__dict__.get(key), module.weight) for module in (
                 attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj))
+        # Where each weight's values are: C reads float32 weights through these addresses.
+        self._weight_addresses = tuple(w.data_ptr() for _, _, w in self.linears)
         self._key = key
         self.function = load_decode_layer().functions["hitch_decode_layer"]
         # The attention backend's settings are read at the first call (the engine binds it
@@ -195,7 +198,10 @@ class DecodeLayerKernel:
                 or not positions.is_contiguous()
                 or any(module.__dict__.get(self._key) is not kernel or module.weight is not weight
                        or type(module.linear_method) is not UnquantizedLinearMethod
-                       for module, kernel, weight in self.linears)):
+                       for module, kernel, weight in self.linears)
+                or any(w.data_ptr() != address for (_, _, w), address
+                       in zip(self.linears, self._weight_addresses, strict=True))
+                or (self.dtype == torch.float32 and not mkl_linear.exact_float32())):
             return None
         out, total = torch.empty_like(hidden), torch.empty_like(hidden)
         # kv_cache: [2 (keys, values), kv_heads, blocks, block_size, d], contiguous.
@@ -223,6 +229,10 @@ class DecodeLayerKernel:
                              f"({kv_cache.shape[2] * kv_cache.shape[3]} slots)")
         if status == _NO_MEMORY:
             raise MemoryError("CPU_ATTN's decode layer could not allocate its scratch buffers")
+        if status == _NO_EXP:
+            raise RuntimeError("CPU_ATTN's decode layer: float32 SiLU has no exponential (the "
+                               "check against F.silu failed after this layer was installed); "
+                               "restart the engine, or run without the CPU_ATTN plugin")
         raise RuntimeError(f"CPU_ATTN's decode layer failed (status {status}): a layer shape "
                            "its kernels do not take")
 
@@ -259,8 +269,8 @@ def takes(layer: nn.Module) -> bool:
     heads, kv_heads, d = attention.num_heads, attention.num_kv_heads, attention.head_dim
     if (qkv_n != (heads + 2 * kv_heads) * d or o_k != heads * d
             or not o_n == down_n == hidden or gate_up_n != 2 * down_k or gate_up_k != hidden
-            or hidden >= _MAX_HIDDEN):
-        return False
+            or (dtype == torch.float32 and hidden >= fused.SPLIT_ROW)):
+        return False  # float32 norms of rows that long: ATen sums them in parts
     cos, sin = attention.rotary.cos, attention.rotary.sin
     if any(t.dtype != torch.float32 or not t.is_contiguous() or t.dim() != 2
            or t.shape[1] != d // 2 or t.shape != cos.shape for t in (cos, sin)):

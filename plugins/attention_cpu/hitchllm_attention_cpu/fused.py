@@ -40,8 +40,9 @@ _SILU_CHUNK_CANDIDATES = (32, 16)
 _SILU_PROBE_WIDTHS = (7, 31, 47, 100, 512)
 # Sleef's float32 exponential in libtorch, by vector width.
 _SLEEF_EXP = {16: "Sleef_expf16_u10", 8: "Sleef_expf8_u10"}
-# ATen's GRAIN_SIZE: a sum with one output over this many values or more is split among threads.
-_SPLIT_ROW = 32768
+#: ATen's GRAIN_SIZE: a sum with one output over this many values or more is split among
+#: threads, and so is an elementwise loop over more values.
+SPLIT_ROW = 32768
 
 
 def sum_lanes() -> int | None:
@@ -50,8 +51,8 @@ def sum_lanes() -> int | None:
     in the library), or None where none does."""
     functions = load_fused_ops().functions
     generator = torch.Generator().manual_seed(0)
-    probes = [(torch.randn(3, n, generator=generator) * 10, torch.randn(n, generator=generator))
-              for n in _PROBE_WIDTHS]
+    probes = [(torch.randn(3, n, generator=generator, dtype=torch.float32) * 10,
+               torch.randn(n, generator=generator, dtype=torch.float32)) for n in _PROBE_WIDTHS]
     wants = [_eager_rms_norm(x, w) for x, w in probes]
     for lanes in _LANE_CANDIDATES:
         functions["hitch_set_sum_lanes"](lanes)
@@ -76,15 +77,31 @@ def silu_chunk() -> int | None:
     if exp is None:
         return None
     generator = torch.Generator().manual_seed(0)
-    probes = [torch.randn(3, 2 * n, generator=generator) * 8 for n in _SILU_PROBE_WIDTHS]
-    wants = [F.silu(x[:, : x.shape[1] // 2]) * x[:, x.shape[1] // 2:] for x in probes]
+    probes = [torch.randn(3, 2 * n, generator=generator, dtype=torch.float32) * 8
+              for n in _SILU_PROBE_WIDTHS]
+    # Over SPLIT_ROW elements, checked at two threads: where ATen cuts the elements among
+    # its threads, mid-row here (fused_ops.c reproduces the OpenMP backend's equal shares).
+    split_probe = torch.randn(81, 2 * 509, generator=generator, dtype=torch.float32) * 8
     for chunk in _SILU_CHUNK_CANDIDATES:
         if functions["hitch_set_silu_exp"](exp, chunk) == 0 and all(
-                torch.equal(_c_silu_and_mul(x), want)
-                for x, want in zip(probes, wants, strict=True)):
-            return chunk
+                torch.equal(_c_silu_and_mul(x), _eager_silu_and_mul(x)) for x in probes):
+            threads = torch.get_num_threads()
+            torch.set_num_threads(2)
+            try:
+                split_ok = torch.equal(_c_silu_and_mul(split_probe),
+                                       _eager_silu_and_mul(split_probe))
+            finally:
+                torch.set_num_threads(threads)
+            if split_ok:
+                return chunk
+            break  # the chunk is right; the thread split is not this torch's
     functions["hitch_set_silu_exp"](None, _SILU_CHUNK_CANDIDATES[0])
     return None
+
+
+def _eager_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    width = x.shape[1] // 2
+    return F.silu(x[:, :width]) * x[:, width:]
 
 
 def _eager_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -117,10 +134,10 @@ def _c_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
 
 def _norm_applies(x: torch.Tensor) -> bool:
     """The kernel takes ``x``'s dtype, and in float32 torch would sum each row on one thread
-    (a single row of at least ``_SPLIT_ROW`` values is summed in parts by several)."""
+    (a single row of at least ``SPLIT_ROW`` values is summed in parts by several)."""
     return x.dtype in _norm_dtypes and not (
         x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] == 1
-        and x.shape[1] >= _SPLIT_ROW and torch.get_num_threads() > 1)
+        and x.shape[1] >= SPLIT_ROW and torch.get_num_threads() > 1)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
@@ -150,7 +167,7 @@ def _c_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(gate_up.shape[0], width, dtype=gate_up.dtype)
     if load_fused_ops().functions["hitch_silu_and_mul"](
             gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), gate_up.shape[0], width,
-            _DTYPE_CODE[gate_up.dtype], torch.get_num_threads()) != 0:
+            _DTYPE_CODE[gate_up.dtype], torch.get_num_threads(), torch.get_num_threads()) != 0:
         return None
     return out
 

@@ -14,7 +14,7 @@
    and sums only) equals PyTorch's bit for bit in float32 and bfloat16, and so does RMSNorm,
    whose sum of squares follows ATen's summation order (aten_sum). SiLU in float32 calls
    PyTorch's own vector exponential (Sleef's expf u10 in libtorch, whose address fused.py hands
-   over) on the elements ATen's loop gives it and glibc's expf on the rest (silu_f32_row), so
+   over) on the elements ATen's loop gives it and glibc's expf on the rest (silu_f32_run), so
    it equals F.silu bit for bit too; in bfloat16 the exponential is a polynomial (relative
    error ~1e-7), so SiLU can differ from PyTorch's by one bfloat16 unit after rounding, rarely
    (the Python side accepts that for bfloat16 only).
@@ -309,11 +309,12 @@ int hitch_set_silu_exp(void *exp, int64_t chunk) {
 }
 #endif
 
-/* out[t, i] = round(silu(x[t, i])) * x[t, width + i] for rows of 2 * width inputs. float32
-   needs hitch_set_silu_exp first, and num_threads must be torch's thread count (it fixes
-   where ATen splits the rows); returns -1 without the exponential, else 0. */
+/* out[t, i] = round(silu(x[t, i])) * x[t, width + i] for rows of 2 * width inputs, on up to
+   num_threads OpenMP threads. float32 needs hitch_set_silu_exp first, and torch_threads must
+   be torch's thread count (it fixes where ATen would split the elements, whatever team
+   computes them); returns -1 without the exponential, else 0. */
 int hitch_silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t rows, int64_t width,
-                       int dtype, int num_threads) {
+                       int dtype, int num_threads, int torch_threads) {
     const int64_t esize = dtype == BF16 ? 2 : 4;
 #ifdef __AVX2__
     if (dtype != BF16 && torch_exp == NULL) {
@@ -323,12 +324,13 @@ int hitch_silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t rows,
        ATen stays on one thread). */
     const int64_t numel = rows * width;
     int64_t shares = 1;
-    if (numel > ATEN_GRAIN_SIZE && num_threads > 1) {
+    if (numel > ATEN_GRAIN_SIZE && torch_threads > 1) {
         shares = (numel + ATEN_GRAIN_SIZE - 1) / ATEN_GRAIN_SIZE;
-        shares = shares < num_threads ? shares : num_threads;
+        shares = shares < torch_threads ? shares : torch_threads;
     }
     const int64_t share = (numel + shares - 1) / shares;
 #else
+    (void)torch_threads;
     if (dtype != BF16) {
         return -1;
     }

@@ -76,6 +76,22 @@ def available() -> bool:
     return _blas() is not None
 
 
+def exact_float32() -> bool:
+    """Whether ``F.linear`` multiplies float32 in float32 now: not when the user allowed
+    oneDNN a lower precision (``torch.set_float32_matmul_precision("medium")``, or
+    ``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``), where it rounds its inputs and
+    the packed GEMM would give other results than the modules asked for."""
+    matmul = getattr(torch.backends.mkldnn, "matmul", None)
+    if matmul is None or not hasattr(matmul, "fp32_precision"):
+        return torch.get_float32_matmul_precision() == "highest"
+    # The most specific setting that is not "none" (inherit) decides.
+    for setting in (matmul, torch.backends.mkldnn, torch.backends):
+        precision = getattr(setting, "fp32_precision", "none")
+        if precision != "none":
+            return precision == "ieee"
+    return True
+
+
 def gemm_addresses() -> tuple[int, int]:
     """The addresses of libtorch's ``sgemm_`` (what ``F.linear`` calls in float32) and
     ``cblas_sgemm_compute``, for C code that multiplies as this module and ``F.linear`` do
@@ -95,12 +111,11 @@ class MklPackedLinear:
         blas = _blas()
         assert blas is not None, "check available() first"
         self.n, self.k = weight.shape
-        self.weight = weight.detach()  # F.linear's, for the decode layer's other row counts
         size = blas["cblas_sgemm_pack_get_size"](_B_MATRIX, PACKED_ROWS, self.n, self.k)
         self._buffer = torch.empty(size + _ALIGNMENT, dtype=torch.uint8)
         #: Where the packed weight starts (aligned) in a buffer this object keeps.
         self.packed_address = -(-self._buffer.data_ptr() // _ALIGNMENT) * _ALIGNMENT
-        contiguous = self.weight.contiguous()
+        contiguous = weight.detach().contiguous()
         blas["cblas_sgemm_pack"](_ROW_MAJOR, _B_MATRIX, _TRANS, PACKED_ROWS, self.n, self.k,
                                  1.0, contiguous.data_ptr(), self.k, self.packed_address)
         self._compute = blas["cblas_sgemm_compute"]
@@ -108,13 +123,14 @@ class MklPackedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
         rows = x.shape[0]
         if (x.dtype != torch.float32 or x.dim() != 2 or not MIN_ROWS <= rows <= PACKED_ROWS
-                or x.shape[1] != self.k or not x.is_contiguous() or x.requires_grad):
+                or x.shape[1] != self.k or not x.is_contiguous() or x.requires_grad
+                or not exact_float32()):
             return None
         if rows != PACKED_ROWS:
             padded = x.new_zeros(PACKED_ROWS, self.k)
             padded[:rows] = x
             x = padded
-        out = torch.empty(PACKED_ROWS, self.n)
+        out = x.new_empty(PACKED_ROWS, self.n)
         self._compute(_ROW_MAJOR, _NO_TRANS, _PACKED, PACKED_ROWS, self.n, self.k, x.data_ptr(),
                       self.k, self.packed_address, self.k, 0.0, out.data_ptr(), self.n)
         return out if rows == PACKED_ROWS else out[:rows]
@@ -127,8 +143,8 @@ def same_as_f_linear(n: int, k: int) -> bool:
     of sums would show in some of the n * rows outputs). MKL's small-row paths reach further
     for some shapes (33 x 1000 on one thread: 16 rows)."""
     generator = torch.Generator().manual_seed(n * 7919 + k)
-    weight = torch.randn(n, k, generator=generator)
-    x = torch.randn(PACKED_ROWS, k, generator=generator) * 3
+    weight = torch.randn(n, k, generator=generator, dtype=torch.float32)
+    x = torch.randn(PACKED_ROWS, k, generator=generator, dtype=torch.float32) * 3
     kernel = MklPackedLinear(weight)
     threads = torch.get_num_threads()
     try:
