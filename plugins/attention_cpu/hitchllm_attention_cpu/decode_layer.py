@@ -37,8 +37,7 @@ from torch import nn
 from hitchllm.attention import get_forward_context
 from hitchllm.layers import CPU_BF16_KERNEL, CPU_F32_KERNEL, UnquantizedLinearMethod
 from hitchllm.models.llama import LAYER_KERNEL, LlamaAttention, LlamaDecoderLayer, LlamaMLP
-from hitchllm_attention_cpu import fused, mkl_linear
-from hitchllm_attention_cpu import amx_linear
+from hitchllm_attention_cpu import amx_linear, fused, mkl_linear
 from hitchllm_attention_cpu.amx_linear import AmxKernel
 from hitchllm_attention_cpu.backend import CpuAttentionImpl, CpuAttentionMetadata
 from hitchllm_attention_cpu.compiler import (
