@@ -4,12 +4,9 @@ transformers."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from gpu_compile import compile_check_lines
 from mla_checkpoints import CONFIGS, build_tiny_deepseek
 from reference import hf_greedy
 from test_models_hf_parity import mixed_prompts, run
@@ -89,12 +86,8 @@ def test_kernels_compile_for_gpus_without_one(tmp_path):
     """The decode kernel's H100 and A100 tiles and the merge compile (Triton's compiler and
     ptxas run on any machine) within the shared memory their tiles were chosen for, which the
     interpreter does not check. A fresh process: this one's kernels are the interpreter's."""
-    env = os.environ | {"TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
-    result = subprocess.run([sys.executable, "-m", "hitchllm_attention_mla.compile_check"],
-                            env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    lines = result.stdout.splitlines()
-    assert len(lines) == 3 and all(line.endswith(", fits") for line in lines), result.stdout
+    lines = compile_check_lines("hitchllm_attention_mla.compile_check", tmp_path)
+    assert len(lines) == 3 and all(line.endswith(", fits") for line in lines), lines
 
 
 @pytest.mark.gpu

@@ -8,14 +8,12 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from gpu_compile import compile_check_lines
 from hitchllm_quantization.awq import AWQConfig
 from hitchllm_quantization.awq_packing import (
     dequantize,
@@ -254,12 +252,8 @@ def test_kernels_compile_for_an_h100_without_one(tmp_path):
     """Triton's compiler and ptxas run on any machine: the first autotuning config of every
     path compiles for sm_90 and fits its shared memory (the interpreter checks none of this).
     A fresh process, since this one's kernels are the interpreter's."""
-    env = os.environ | {"TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
-    result = subprocess.run([sys.executable, "-m", "hitchllm_quantization.awq_compile_check"],
-                            env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    lines = result.stdout.splitlines()
-    assert len(lines) == 6 and all(line.endswith("fits") for line in lines), result.stdout
+    lines = compile_check_lines("hitchllm_quantization.awq_compile_check", tmp_path)
+    assert len(lines) == 6 and all(line.endswith("fits") for line in lines), lines
 
 
 def load_script(name: str):
