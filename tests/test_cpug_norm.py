@@ -47,7 +47,7 @@ def test_float32_rms_norm_is_pytorch_bit_for_bit(lanes, kernels_installed, width
         want = eager(fused.rms_norm, x, w, EPS)
         if cpu_fused.rms_norm(x, w, EPS) is None:
             # One row that torch sums in parts on several threads: left to torch.
-            assert rows == 1 and width >= cpu_fused._SPLIT_ROW
+            assert rows == 1 and width >= cpu_fused.SPLIT_ROW
             continue
         assert torch.equal(c_norm(x, w, threads=threads)[0], want)
 
