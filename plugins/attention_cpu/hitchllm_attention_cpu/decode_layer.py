@@ -15,7 +15,7 @@ both in libtorch); float32 needs the fused kernels' float32 paths, which equal P
 ``fused.float32_exact()`` says so. The layer's structure is checked once, at ``install``
 (``takes``); a call checks what can change from step to step.
 
-It takes steps of 1-``amx_linear.MAX_ROWS`` tokens whose every request goes through CPU_ATTN's
+It takes steps of 1-``MAX_ROWS`` tokens whose every request goes through CPU_ATTN's
 kernel, with a KV cache in the model dtype: decodes, and short prompt chunks too (up to
 ``KERNEL_MAX_QUERY_LEN`` = 16 new tokens a request; any length under a logits soft-cap), which
 the kernel attends causally exactly as the modules do. Anything else (longer prompts, fp8
