@@ -230,6 +230,20 @@ def test_float32_kernels_pass_without_pytorchs_numerics(kernels_installed, monke
     assert cpu_fused.rms_norm(half, w.half(), EPS) is None
 
 
+def test_a_second_engine_does_not_probe_again(kernels_installed, monkeypatch):
+    """The probes run once per process: trying their candidates again would change the
+    settings the kernels of engines already running read (and torch's thread count)."""
+    functions = load_fused_ops().functions
+    calls = []
+    for name in ("hitch_set_sum_lanes", "hitch_set_silu_exp"):
+        setter = functions[name]
+        monkeypatch.setitem(functions, name,
+                            lambda *args, name=name, setter=setter: calls.append(name)
+                            or setter(*args))
+    cpu_fused.install()
+    assert calls == []
+
+
 def test_rotary_position_outside_the_tables_is_an_index_error(kernels_installed):
     rope = RotaryEmbedding(32, max_position=16, theta=10000.0, scaling=None)
     q, k = torch.randn(2, 4, 32), torch.randn(2, 2, 32)

@@ -22,6 +22,8 @@ weight in another dtype) returns None, and the function runs as written in PyTor
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -45,10 +47,13 @@ _SLEEF_EXP = {16: "Sleef_expf16_u10", 8: "Sleef_expf8_u10"}
 SPLIT_ROW = 32768
 
 
+@functools.cache
 def sum_lanes() -> int | None:
     """The vector width with which fused_ops.c's RMSNorm equals PyTorch's eager RMSNorm bit for
     bit in float32 on random rows of the probe widths (each candidate tried, the match left set
-    in the library), or None where none does."""
+    in the library), or None where none does. Once per process (like the library): the answer
+    depends only on torch's build and the CPU, and trying candidates changes the setting that
+    the kernels of engines already running read."""
     functions = load_fused_ops().functions
     generator = torch.Generator().manual_seed(0)
     probes = [(torch.randn(3, n, generator=generator, dtype=torch.float32) * 10,
@@ -63,12 +68,14 @@ def sum_lanes() -> int | None:
     return None
 
 
+@functools.cache
 def silu_chunk() -> int | None:
     """The chunk length with which fused_ops.c's float32 SiLU-and-mul equals PyTorch's
     ``F.silu(gate) * up`` bit for bit on random rows (each candidate tried with libtorch's
     exponential, the match left set in the library), or None where none does or libtorch
     exports no exponential of the kernel's vector width (float32 SiLU then stays
-    PyTorch's)."""
+    PyTorch's). Once per process, as ``sum_lanes`` (this probe also sets torch's thread count
+    for a moment)."""
     from hitchllm_attention_cpu import torch_symbols
 
     functions = load_fused_ops().functions
