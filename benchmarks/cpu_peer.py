@@ -40,8 +40,10 @@ MODELS = ("llama-256x4", "default_model")
 DTYPES = ("float32", "bfloat16")
 # hitchllm: the Python API's defaults (OpenMP spin-waits; the `hitchllm` command would set
 # OMP_WAIT_POLICY=PASSIVE); hitchllm-passive: the command's defaults.
-DEFAULT_CONFIGS = "hitchllm,hitchllm-passive,vllm,hf"
-PEERS = ("vllm", "hf")
+# hf: Hugging Face generate on torch's default threads; hf-1t: on one thread, as issue 22 measured
+# it ("HF 1 thread"), its baseline for "at least 3x".
+DEFAULT_CONFIGS = "hitchllm,hitchllm-passive,vllm,hf,hf-1t"
+PEERS = ("vllm", "hf", "hf-1t")
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16")
 SECTION = "## hitchllm vs vLLM's CPU build vs Hugging Face (benchmarks/cpu_peer.py)"
 ABOUT = ("Reproduce: set up `$PEER_DIR` as ../shared/peer/cpu/README.md says, then `python "

@@ -4,6 +4,8 @@ transformers."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from gpu_compile import compile_check_lines
@@ -16,7 +18,12 @@ pytest.importorskip("hitchllm_attention_mla")
 
 from hitchllm import LLM
 from hitchllm.attention import AttentionSpec
-from hitchllm_attention_mla.triton_mla import MLADecodeTiles, TritonMLABackend, mla_decode
+from hitchllm_attention_mla.triton_mla import (
+    LARGE_SMEM_TILES,
+    MLADecodeTiles,
+    TritonMLABackend,
+    mla_decode,
+)
 
 
 def reference_decode(q, cache, block_table, seq_lens, scale, rank):
@@ -83,11 +90,12 @@ def test_deepseek_on_triton_mla_matches_transformers(tmp_path):
 
 
 def test_kernels_compile_for_gpus_without_one(tmp_path):
-    """The decode kernel's H100 and A100 tiles and the merge compile (Triton's compiler and
-    ptxas run on any machine) within the shared memory their tiles were chosen for, which the
-    interpreter does not check. A fresh process: this one's kernels are the interpreter's."""
+    """The decode kernel's H100 and A100 tiles, the Hopper Gluon kernel and the merge compile
+    (Triton's compiler and ptxas run on any machine) within the shared memory their tiles were
+    chosen for, which the interpreter does not check. A fresh process: this one's kernels are
+    the interpreter's."""
     lines = compile_check_lines("hitchllm_attention_mla.compile_check", tmp_path)
-    assert len(lines) == 3 and all(line.endswith(", fits") for line in lines), lines
+    assert len(lines) == 4 and all(line.endswith(", fits") for line in lines), lines
 
 
 @pytest.mark.gpu
@@ -101,6 +109,29 @@ def test_decode_kernel_deepseek_v3_dims_on_gpu(block_size):
     out = mla_decode(q, cache, table, lens, scale, 512, max(seq_lens))
     expected = reference_decode(q, cache, table, lens, scale, 512)
     torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["triton", "gluon_sm90"])
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("num_splits", [1, 5, None])
+def test_h100_decode_kernels_on_gpu(kernel, heads, num_splits):
+    """Both kernels of the H100 tiles (Triton's, and the Gluon one the Hopper tiles pick) at
+    DeepSeek's latent dims: a head count that fills a quarter of a 64-head block (V2-Lite's
+    16), a padding row (empty context), contexts that end inside and at the edge of a tile, and
+    splits past the end of short contexts; pages of 16 and 64."""
+    if kernel == "gluon_sm90" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel is for sm_90 (Hopper)")
+    tiles = dataclasses.replace(LARGE_SMEM_TILES, kernel=kernel)
+    seq_lens = [0, 1, 63, 64, 65, 700, 2049]
+    for block_size in (16, 64):
+        q, cache, table, lens = random_case(heads, 512, 64, seq_lens, block_size,
+                                            torch.bfloat16, "cuda", seed=block_size)
+        scale = 192 ** -0.5
+        out = mla_decode(q, cache, table, lens, scale, 512, max(seq_lens),
+                         num_splits=num_splits, tiles=tiles)
+        expected = reference_decode(q, cache, table, lens, scale, 512)
+        torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.gpu

@@ -44,9 +44,10 @@ def triton_device_reasons(spec: AttentionSpec) -> list[str]:
 def compile_for_gpu(kernel, constexprs: dict[str, object], types: dict[str, str],
                     aligned: set[str], num_warps: int, num_stages: int,
                     capability: int = 90):
-    """Compile the ``@triton.jit`` ``kernel`` for an NVIDIA GPU of ``capability`` (90: H100)
-    without one: Triton's compiler and ``ptxas`` run on any machine, so tile shapes, layouts
-    and shared memory that a real GPU rejects (and the interpreter accepts) show up on a CPU.
+    """Compile the ``@triton.jit`` (or ``@gluon.jit``) ``kernel`` for an NVIDIA GPU of
+    ``capability`` (90: H100) without one: Triton's compiler and ``ptxas`` run on any
+    machine, so tile shapes, layouts and shared memory that a real GPU rejects (and the
+    interpreter accepts) show up on a CPU.
     ``constexprs`` binds the ``tl.constexpr`` arguments (and arguments Triton would specialize
     at launch, such as a stride of 1), ``types`` gives the other arguments' Triton types (the
     rest are ``i32``), ``aligned`` names those a launch would find divisible by 16. Returns
@@ -56,6 +57,8 @@ def compile_for_gpu(kernel, constexprs: dict[str, object], types: dict[str, str]
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    if getattr(kernel, "is_gluon", lambda: False)():  # a @gluon.jit kernel
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     names = kernel.arg_names
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names

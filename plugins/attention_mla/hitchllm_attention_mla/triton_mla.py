@@ -59,6 +59,9 @@ class MLADecodeTiles:
     num_warps: int = 4
     num_stages: int = 2
     target_programs: int = 128
+    #: "triton" (``triton_mla_kernel``, any GPU and the interpreter) or "gluon_sm90"
+    #: (``gluon_mla_kernel``: Hopper only, at its fixed tiles and DeepSeek's 512 + 64 dims).
+    kernel: str = "triton"
 
 
 #: Tiles for Triton's CPU interpreter (tests): small blocks run fastest there.
@@ -77,6 +80,9 @@ LARGE_SMEM_BYTES = 216 * 1024
 #: Other GPUs (A100: 163 KiB): a 16-head query block.
 SMALL_SMEM_TILES = MLADecodeTiles(block_h=16, block_n=32, block_o=512, num_warps=4,
                                   num_stages=2)
+#: Hopper (sm_90) at DeepSeek's latent dims: the Gluon kernel (its docstring says why),
+#: same tiles as LARGE_SMEM_TILES.
+HOPPER_TILES = dataclasses.replace(LARGE_SMEM_TILES, kernel="gluon_sm90")
 
 
 @functools.cache
@@ -87,7 +93,24 @@ def tiles_for(device: torch.device) -> MLADecodeTiles:
     props = torch.cuda.get_device_properties(device)
     smem = getattr(props, "shared_memory_per_block_optin", 0)
     tiles = LARGE_SMEM_TILES if smem >= LARGE_SMEM_BYTES else SMALL_SMEM_TILES
+    if (props.major, props.minor) == (9, 0) and _has_gluon():
+        tiles = HOPPER_TILES
     return dataclasses.replace(tiles, target_programs=props.multi_processor_count)
+
+
+def _has_gluon() -> bool:
+    return importlib.util.find_spec("triton.experimental.gluon") is not None
+
+
+def _gluon_takes(q: torch.Tensor, kv_lora_rank: int, tiles: MLADecodeTiles) -> bool:
+    """Whether the Hopper kernel's fixed shapes fit this call (else the Triton kernel runs)."""
+    from hitchllm_attention_mla import gluon_mla_kernel as g
+
+    return (tiles.kernel == "gluon_sm90" and kv_lora_rank == 512
+            and q.shape[-1] - kv_lora_rank == g.ROPE
+            and q.dtype in (torch.bfloat16, torch.float16)
+            and (tiles.block_h, tiles.block_n, tiles.num_warps) == (g.BLOCK_H, g.BLOCK_N,
+                                                                    g.NUM_WARPS))
 
 
 #: Latent columns per program of the split merge.
@@ -124,15 +147,20 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     acc = torch.empty(n, heads, num_splits, kv_lora_rank, device=q.device,
                       dtype=q.dtype if num_splits == 1 else torch.float32)
     stats = torch.empty(2, n, heads, num_splits, dtype=torch.float32, device=q.device)
-    mla_decode_partials[(head_blocks * (block_l // block_o), num_splits, n)](
-        q, kv_cache, block_table, seq_lens, acc, stats, scale * math.log2(math.e),
-        q.stride(0), q.stride(1), block_table.stride(0), acc.stride(0), acc.stride(1),
-        acc.stride(2), stats.stride(0), stats.stride(1), stats.stride(2),
-        heads, kv_lora_rank, width, kv_cache.shape[1],
-        BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n, BLOCK_L=block_l,
-        BLOCK_R=_next_pow2(width - kv_lora_rank), BLOCK_O=block_o,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-    )
+    args = (q, kv_cache, block_table, seq_lens, acc, stats, scale * math.log2(math.e),
+            q.stride(0), q.stride(1), block_table.stride(0), acc.stride(0), acc.stride(1),
+            acc.stride(2), stats.stride(0), stats.stride(1), stats.stride(2), heads)
+    dims = {"KV_LORA_RANK": kv_lora_rank, "WIDTH": width, "PAGE": kv_cache.shape[1],
+            "BLOCK_H": tiles.block_h, "BLOCK_N": tiles.block_n}
+    if _gluon_takes(q, kv_lora_rank, tiles):
+        from hitchllm_attention_mla.gluon_mla_kernel import mla_decode_partials_sm90
+
+        mla_decode_partials_sm90[(head_blocks, num_splits, n)](
+            *args, **dims, num_warps=tiles.num_warps)
+    else:
+        mla_decode_partials[(head_blocks * (block_l // block_o), num_splits, n)](
+            *args, **dims, BLOCK_L=block_l, BLOCK_R=_next_pow2(width - kv_lora_rank),
+            BLOCK_O=block_o, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if num_splits == 1:
         return acc[:, :, 0]
     out = q.new_empty(n, heads, kv_lora_rank)

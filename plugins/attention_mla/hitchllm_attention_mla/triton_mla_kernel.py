@@ -7,6 +7,17 @@ import triton.language as tl
 
 
 @triton.jit
+def _tile_mask(rows_ok, cols, LIMIT: tl.constexpr, BLOCK: tl.constexpr):
+    """The mask of a [rows, ``BLOCK``] tile whose columns ``cols`` (one block of them) must
+    stay below ``LIMIT``: ``rows_ok`` alone ([rows, 1], broadcast by the load) where the block
+    fits the dims, so no column is compared at run time."""
+    if BLOCK == LIMIT:
+        return rows_ok[:, None]
+    else:
+        return rows_ok[:, None] & (cols < LIMIT)[None, :]
+
+
+@triton.jit
 def mla_decode_partials(
     q_ptr,  # [N, H, W]: absorbed no-rope part (L values), then the rope part (W - L)
     cache_ptr,  # [blocks, block_size, W], contiguous
@@ -17,7 +28,8 @@ def mla_decode_partials(
     scale,  # the softmax scale times log2(e): the kernel exponentiates with exp2
     stride_qt, stride_qh, stride_bt, stride_at, stride_ah, stride_as,
     stride_s0, stride_st, stride_sh,
-    num_heads, kv_lora_rank, width, block_size,
+    num_heads,
+    KV_LORA_RANK: tl.constexpr, WIDTH: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_O: tl.constexpr,
 ):
@@ -31,8 +43,14 @@ def mla_decode_partials(
     its length read on the device, so the launch depends on no host value but the split count;
     a split past the context (or a padding request's empty context) stores a running maximum
     of -inf and a sum of 0. With one split the program stores the normalized output itself
-    (no merge follows)."""
+    (no merge follows).
+
+    The latent width, its split and the page size are compile-time constants (one compile per
+    model and page size): with them as arguments, the per-element masks and the division of
+    each position by the page size made the loop issue-bound on integer work (on an H100 the
+    tile loads alone took as long as the whole kernel)."""
     CHUNKS: tl.constexpr = BLOCK_L // BLOCK_O
+    ROPE: tl.constexpr = WIDTH - KV_LORA_RANK
     heads = (tl.program_id(0) // CHUNKS) * BLOCK_H + tl.arange(0, BLOCK_H)
     chunk = tl.program_id(0) % CHUNKS
     split = tl.program_id(1)
@@ -41,14 +59,12 @@ def mla_decode_partials(
     offs_l = tl.arange(0, BLOCK_L)
     offs_r = tl.arange(0, BLOCK_R)
     offs_o = chunk * BLOCK_O + tl.arange(0, BLOCK_O)
-    l_ok = offs_l < kv_lora_rank
-    r_ok = offs_r < width - kv_lora_rank
-    o_ok = offs_o < kv_lora_rank
 
     q_rows = q_ptr + req * stride_qt + heads[:, None] * stride_qh
-    q_c = tl.load(q_rows + offs_l[None, :], mask=head_ok[:, None] & l_ok[None, :], other=0.0)
-    q_r = tl.load(q_rows + kv_lora_rank + offs_r[None, :], mask=head_ok[:, None] & r_ok[None, :],
-                  other=0.0)
+    q_c = tl.load(q_rows + offs_l[None, :],
+                  mask=_tile_mask(head_ok, offs_l, KV_LORA_RANK, BLOCK_L), other=0.0)
+    q_r = tl.load(q_rows + KV_LORA_RANK + offs_r[None, :],
+                  mask=_tile_mask(head_ok, offs_r, ROPE, BLOCK_R), other=0.0)
 
     seq_len = tl.load(seq_lens_ptr + req)
     per_split = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(1)), BLOCK_N) * BLOCK_N
@@ -60,12 +76,13 @@ def mla_decode_partials(
     for first in range(start, end, BLOCK_N):
         pos = first + tl.arange(0, BLOCK_N)
         pos_ok = pos < end
-        block = tl.load(block_table_ptr + req * stride_bt + pos // block_size, mask=pos_ok,
+        block = tl.load(block_table_ptr + req * stride_bt + pos // PAGE, mask=pos_ok,
                         other=0).to(tl.int64)
-        rows = cache_ptr + (block * block_size + pos % block_size)[:, None] * width
-        c = tl.load(rows + offs_l[None, :], mask=pos_ok[:, None] & l_ok[None, :], other=0.0)
-        r = tl.load(rows + kv_lora_rank + offs_r[None, :], mask=pos_ok[:, None] & r_ok[None, :],
-                    other=0.0)
+        rows = cache_ptr + (block * PAGE + pos % PAGE)[:, None] * WIDTH
+        c = tl.load(rows + offs_l[None, :],
+                    mask=_tile_mask(pos_ok, offs_l, KV_LORA_RANK, BLOCK_L), other=0.0)
+        r = tl.load(rows + KV_LORA_RANK + offs_r[None, :],
+                    mask=_tile_mask(pos_ok, offs_r, ROPE, BLOCK_R), other=0.0)
         scores = tl.dot(q_c, tl.trans(c)) + tl.dot(q_r, tl.trans(r))
         scores = tl.where(pos_ok[None, :], scores * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -75,7 +92,8 @@ def mla_decode_partials(
         if CHUNKS == 1:
             v = c
         else:
-            v = tl.load(rows + offs_o[None, :], mask=pos_ok[:, None] & o_ok[None, :], other=0.0)
+            v = tl.load(rows + offs_o[None, :],
+                        mask=_tile_mask(pos_ok, offs_o, KV_LORA_RANK, BLOCK_L), other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
@@ -84,7 +102,7 @@ def mla_decode_partials(
         # An empty context (padding row) has l_i == 0 and acc == 0: store zeros, not NaN.
         acc = acc / tl.maximum(l_i, 1e-30)[:, None]
     tl.store(out + offs_o[None, :], acc.to(acc_ptr.dtype.element_ty),
-             mask=head_ok[:, None] & o_ok[None, :])
+             mask=_tile_mask(head_ok, offs_o, KV_LORA_RANK, BLOCK_L))
     if chunk == 0:
         stats = stats_ptr + req * stride_st + heads * stride_sh + split
         tl.store(stats, m_i, mask=head_ok)
