@@ -15,7 +15,9 @@ the score work twice. Here the layouts are chosen by hand:
   the value product's A operand, each for its 256 of the 512 output columns;
 - the next tile's copy (cp.async, 16 bytes a thread at a time, positions past the context
   clamped to its last token so no copy is masked) is issued before this tile's products, two
-  buffers deep.
+  buffers deep;
+- two barriers a tile (the tile has landed; the probabilities are complete), and the softmax
+  sums kept per thread until the end (the maxima are the only reduction across warpgroups).
 
 Shared memory: the query block (72 KiB), two tiles (144 KiB) and the probabilities (8 KiB),
 224 KiB of the H100's 227.
@@ -123,7 +125,10 @@ def mla_decode_partials_sm90(
     table_row = block_table_ptr + req * stride_bt
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, s_layout))
+    # Each thread's share of the softmax sums, rescaled with the maxima and reduced over the
+    # warps once, after the loop (a reduction across the warpgroups costs shared memory and a
+    # barrier a tile).
+    l_part = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
     o = gl.zeros([BLOCK_H, KV_LORA_RANK], gl.float32, layout=o_layout)
     fence_async_shared()
     if num_tiles > 0:
@@ -131,16 +136,15 @@ def mla_decode_partials_sm90(
                    KV_LORA_RANK, WIDTH, PAGE, BLOCK_N, ld_c, ld_r)
     for t in range(0, num_tiles):
         stage = t % 2
+        async_copy.wait_group(0)
+        # Every thread's copies of tile t have landed, and every warp is past the previous
+        # tile's value product: the other buffer and p_s are free.
+        _cta_barrier()
+        fence_async_shared()
         if t + 1 < num_tiles:
-            # The other buffer's tile was fully read at the end of the previous iteration.
             _copy_tile(cache_ptr, table_row, start + (t + 1) * BLOCK_N, end - 1,
                        c_bufs.index(1 - stage), r_bufs.index(1 - stage),
                        KV_LORA_RANK, WIDTH, PAGE, BLOCK_N, ld_c, ld_r)
-            async_copy.wait_group(1)
-        else:
-            async_copy.wait_group(0)
-        _cta_barrier()  # every thread's copies of this tile have landed
-        fence_async_shared()
         c_t = c_bufs.index(stage)
         r_t = r_bufs.index(stage)
         s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
@@ -152,7 +156,7 @@ def mla_decode_partials_sm90(
         m_new = gl.maximum(m_i, gl.max(s, 1))
         p = gl.exp2(s - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p, 1)
+        l_part = l_part * alpha[:, None] + p
         m_i = m_new
         p_s.store(p.to(dtype))
         o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -160,7 +164,7 @@ def mla_decode_partials_sm90(
         _cta_barrier()  # both warpgroups' probabilities are in p_s
         o = warpgroup_mma(p_s, c_t, o, is_async=True)
         o = warpgroup_mma_wait(num_outstanding=0, deps=[o])
-        _cta_barrier()  # p_s and this tile's buffers are free again
+    l_i = gl.sum(l_part, 1)
 
     heads_o = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))
     cols_o = gl.arange(0, KV_LORA_RANK, layout=gl.SliceLayout(0, o_layout))
