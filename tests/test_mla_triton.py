@@ -95,7 +95,7 @@ def test_kernels_compile_for_gpus_without_one(tmp_path):
     chosen for, which the interpreter does not check. A fresh process: this one's kernels are
     the interpreter's."""
     lines = compile_check_lines("hitchllm_attention_mla.compile_check", tmp_path)
-    assert len(lines) == 4 and all(line.endswith(", fits") for line in lines), lines
+    assert len(lines) == 5 and all(line.endswith(", fits") for line in lines), lines
 
 
 @pytest.mark.gpu
@@ -119,14 +119,16 @@ def test_h100_decode_kernels_on_gpu(kernel, heads, num_splits):
     """Both kernels of the H100 tiles (Triton's, and the Gluon one the Hopper tiles pick) at
     DeepSeek's latent dims: a head count that fills a quarter of a 64-head block (V2-Lite's
     16), a padding row (empty context), contexts that end inside and at the edge of a tile, and
-    splits past the end of short contexts; pages of 16 and 64."""
+    splits past the end of short contexts; pages of 16 and 64; int32 and int64 lengths."""
     if kernel == "gluon_sm90" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel is for sm_90 (Hopper)")
     tiles = dataclasses.replace(LARGE_SMEM_TILES, kernel=kernel)
     seq_lens = [0, 1, 63, 64, 65, 700, 2049]
-    for block_size in (16, 64):
+    # int32 lengths as decode batches pass them, int64 as mixed batches do.
+    for block_size, lengths_dtype in ((16, torch.int32), (64, torch.int64)):
         q, cache, table, lens = random_case(heads, 512, 64, seq_lens, block_size,
                                             torch.bfloat16, "cuda", seed=block_size)
+        lens = lens.to(lengths_dtype)
         scale = 192 ** -0.5
         out = mla_decode(q, cache, table, lens, scale, 512, max(seq_lens),
                          num_splits=num_splits, tiles=tiles)

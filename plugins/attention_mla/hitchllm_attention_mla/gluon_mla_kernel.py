@@ -117,7 +117,9 @@ def mla_decode_partials_sm90(
     r_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE_W], smem)
     p_s = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], smem)
 
-    seq_len = gl.load(seq_lens_ptr + req)
+    # int32 whatever the lengths' dtype (mixed batches pass int64): the tile index picks a
+    # shared-memory buffer, which takes an int32 index.
+    seq_len = gl.load(seq_lens_ptr + req).to(gl.int32)
     per_split = gl.cdiv(gl.cdiv(seq_len, gl.num_programs(1)), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = gl.minimum(start + per_split, seq_len)
