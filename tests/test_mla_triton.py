@@ -147,3 +147,43 @@ def test_deepseek_on_triton_mla_cuda_tracks_transformers(tmp_path):
     ours = run(llm, prompts, max_tokens=4)
     ref = hf_greedy(path, prompts, 4, dtype=torch.bfloat16)
     assert [o[:2] for o in ours] == [r[:2] for r in ref]
+
+
+def test_gluon_needs_triton_3_6():
+    """The Hopper kernel is picked only with a Triton whose Gluon it was written for."""
+    from hitchllm_attention_mla.triton_mla import gluon_supported
+
+    assert gluon_supported("3.6.0") and gluon_supported("3.7.1") and gluon_supported("4.0.0")
+    assert gluon_supported("3.6.0+git1a2b3c") and gluon_supported("3.10.0")
+    assert not gluon_supported("3.5.1") and not gluon_supported("2.3.0")
+    assert not gluon_supported(None)
+
+
+def test_hopper_kernel_falls_back_when_it_does_not_compile(monkeypatch):
+    """A Triton whose Gluon rejects the Hopper kernel: the call runs the Triton kernel instead
+    (same result as with the Triton tiles), and later calls do not try the Hopper kernel again.
+    DeepSeek's latent dims (what the Hopper kernel takes), one short request, interpreter."""
+    from types import SimpleNamespace
+
+    from triton.compiler.errors import CompilationError
+
+    import hitchllm_attention_mla.triton_mla as tm
+
+    tries = []
+
+    def broken_launch(*args, **kwargs):
+        tries.append(1)
+        raise CompilationError(None, None, "no such Gluon builtin")
+
+    broken = SimpleNamespace(BLOCK_H=64, BLOCK_N=64, NUM_WARPS=8, ROPE=64,
+                             mla_decode_partials_sm90={(1, 1, 1): broken_launch})
+    monkeypatch.setattr(tm, "_gluon_module", lambda: broken)
+    monkeypatch.setattr(tm, "_gluon_failed", False)
+    q, cache, table, lens = random_case(4, 512, 64, [20], 16, torch.float16, "cpu")
+    tiles = dataclasses.replace(tm.HOPPER_TILES, target_programs=1)
+    want = mla_decode(q, cache, table, lens, 0.1, 512, 20,
+                      tiles=dataclasses.replace(tiles, kernel="triton"))
+    for _ in range(2):
+        got = mla_decode(q, cache, table, lens, 0.1, 512, 20, tiles=tiles)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert tries == [1] and tm._gluon_failed

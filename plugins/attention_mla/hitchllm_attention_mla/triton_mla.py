@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import logging
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -43,6 +44,8 @@ from hitchllm.attention.torch_backend import (
 from hitchllm.attention.triton_support import triton_device_reasons
 from hitchllm_attention_mla.ranking import MLA_BACKEND_PRIORITY
 from hitchllm_attention_mla.torch_mla import TorchMLABackend, TorchMLAImpl, mla_reasons
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -93,24 +96,65 @@ def tiles_for(device: torch.device) -> MLADecodeTiles:
     props = torch.cuda.get_device_properties(device)
     smem = getattr(props, "shared_memory_per_block_optin", 0)
     tiles = LARGE_SMEM_TILES if smem >= LARGE_SMEM_BYTES else SMALL_SMEM_TILES
-    if (props.major, props.minor) == (9, 0) and _has_gluon():
+    if (props.major, props.minor) == (9, 0) and gluon_supported(_triton_version()):
         tiles = HOPPER_TILES
     return dataclasses.replace(tiles, target_programs=props.multi_processor_count)
 
 
-def _has_gluon() -> bool:
-    return importlib.util.find_spec("triton.experimental.gluon") is not None
+#: The oldest Triton whose Gluon the Hopper kernel is written for (its API changes between
+#: releases; tested on 3.6 on an H100 and compiled with 3.7).
+GLUON_MIN_TRITON = (3, 6)
 
 
-def _gluon_takes(q: torch.Tensor, kv_lora_rank: int, tiles: MLADecodeTiles) -> bool:
+def gluon_supported(triton_version: str | None) -> bool:
+    """Whether a Triton of ``triton_version`` ("3.6.0"; None: not installed) has the Gluon
+    the Hopper kernel needs."""
+    if triton_version is None:
+        return False
+    parts = []
+    for piece in triton_version.split("+")[0].split(".")[:2]:
+        digits = "".join(c for c in piece if c.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts) >= GLUON_MIN_TRITON
+
+
+def _triton_version() -> str | None:
+    if importlib.util.find_spec("triton") is None:
+        return None
+    import triton
+
+    return triton.__version__
+
+
+@functools.cache
+def _gluon_module():
+    """The Hopper kernel's module, or None (with a warning) where this Triton's Gluon lacks a
+    name it uses."""
+    try:
+        from hitchllm_attention_mla import gluon_mla_kernel
+    except (ImportError, AttributeError) as exc:
+        logger.warning("TRITON_MLA: the Hopper decode kernel needs another Triton (%s); using "
+                       "the Triton kernel", exc)
+        return None
+    return gluon_mla_kernel
+
+
+def _gluon_takes(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
+                 tiles: MLADecodeTiles) -> bool:
     """Whether the Hopper kernel's fixed shapes fit this call (else the Triton kernel runs)."""
-    from hitchllm_attention_mla import gluon_mla_kernel as g
-
-    return (tiles.kernel == "gluon_sm90" and kv_lora_rank == 512
+    if tiles.kernel != "gluon_sm90" or _gluon_failed:
+        return False
+    g = _gluon_module()
+    return (g is not None and kv_lora_rank == 512
             and q.shape[-1] - kv_lora_rank == g.ROPE
-            and q.dtype in (torch.bfloat16, torch.float16)
+            and q.dtype in (torch.bfloat16, torch.float16) and kv_cache.dtype == q.dtype
             and (tiles.block_h, tiles.block_n, tiles.num_warps) == (g.BLOCK_H, g.BLOCK_N,
                                                                     g.NUM_WARPS))
+
+
+# Set when the Hopper kernel failed to compile here (a Triton whose Gluon differs from the one
+# it was written for): every later call runs the Triton kernel.
+_gluon_failed = False
 
 
 #: Latent columns per program of the split merge.
@@ -152,12 +196,8 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
             acc.stride(2), stats.stride(0), stats.stride(1), stats.stride(2), heads)
     dims = {"KV_LORA_RANK": kv_lora_rank, "WIDTH": width, "PAGE": kv_cache.shape[1],
             "BLOCK_H": tiles.block_h, "BLOCK_N": tiles.block_n}
-    if _gluon_takes(q, kv_lora_rank, tiles):
-        from hitchllm_attention_mla.gluon_mla_kernel import mla_decode_partials_sm90
-
-        mla_decode_partials_sm90[(head_blocks, num_splits, n)](
-            *args, **dims, num_warps=tiles.num_warps)
-    else:
+    if not (_gluon_takes(q, kv_cache, kv_lora_rank, tiles)
+            and _launch_gluon((head_blocks, num_splits, n), args, dims, tiles.num_warps)):
         mla_decode_partials[(head_blocks * (block_l // block_o), num_splits, n)](
             *args, **dims, BLOCK_L=block_l, BLOCK_R=_next_pow2(width - kv_lora_rank),
             BLOCK_O=block_o, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
@@ -170,6 +210,25 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         stats.stride(1), stats.stride(2), out.stride(0), out.stride(1), num_splits,
         kv_lora_rank, BLOCK_S=_next_pow2(num_splits), BLOCK_O=merge_o)
     return out
+
+
+def _launch_gluon(grid: tuple[int, int, int], args: tuple, dims: dict[str, int],
+                  num_warps: int) -> bool:
+    """Launch the Hopper kernel; False (and a warning, once) when it does not compile with
+    this Triton, so the caller runs the Triton kernel instead. A compile error is raised before
+    anything is launched, so a CUDA-graph capture in progress records only the fallback."""
+    global _gluon_failed
+    from triton.compiler.errors import CompilationError
+
+    try:
+        _gluon_module().mla_decode_partials_sm90[grid](*args, **dims, num_warps=num_warps)
+    except CompilationError as exc:
+        _gluon_failed = True
+        logger.warning("TRITON_MLA: the Hopper decode kernel does not compile with this Triton "
+                       "(%s); using the Triton kernel", str(exc).splitlines()[-1][:200])
+        return False
+    return True
+
 
 def decode_splits(num_reqs: int, heads: int, max_seq_len: int,
                   tiles: MLADecodeTiles = DEFAULT_TILES) -> int:
