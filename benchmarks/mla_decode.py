@@ -187,6 +187,18 @@ def measure(dims: Dims, requests: int, context: int, page: int, device: torch.de
     return "| " + " | ".join(cells) + " |"
 
 
+def decode_kernel_note(device: torch.device) -> str:
+    """Which of TRITON_MLA's decode kernels the device's tiles ran, and the Hopper kernel's
+    fallbacks to the Triton kernel if any (so an entry never credits one with the other)."""
+    from hitchllm_attention_mla import triton_mla
+
+    kernel = triton_mla.tiles_for(device).kernel
+    failed = sorted(f"{str(dtype).removeprefix('torch.')} lengths, page {page}"
+                    for dtype, page in triton_mla.hopper_kernel_fallbacks())
+    return f"kernel {kernel}" + (f" (fell back to triton for {'; '.join(failed)})"
+                                 if failed else "")
+
+
 def main(argv: list[str] | None = None) -> list[str]:
     """Run the cases, print the table, append it to ``--results``; returns the rows."""
     args, device, repeats = kernel_bench_args(argv, __doc__)
@@ -200,6 +212,9 @@ def main(argv: list[str] | None = None) -> list[str]:
     for requests, context, page in dims.cases:
         rows.append(measure(dims, requests, context, page, device, repeats))
         print(rows[-1], flush=True)
+    kernel = decode_kernel_note(device)
+    title += f", {kernel}"
+    print(f"TRITON_MLA decode kernel: {kernel}")
     if args.results:
         append_results(args.results, [*entry_heading(title, command), HEADER, *rows],
                        SECTION, ABOUT)

@@ -95,7 +95,7 @@ def test_kernels_compile_for_gpus_without_one(tmp_path):
     chosen for, which the interpreter does not check. A fresh process: this one's kernels are
     the interpreter's."""
     lines = compile_check_lines("hitchllm_attention_mla.compile_check", tmp_path)
-    assert len(lines) == 5 and all(line.endswith(", fits") for line in lines), lines
+    assert len(lines) == 6 and all(line.endswith(", fits") for line in lines), lines
 
 
 @pytest.mark.gpu
@@ -120,8 +120,13 @@ def test_h100_decode_kernels_on_gpu(kernel, heads, num_splits):
     DeepSeek's latent dims: a head count that fills a quarter of a 64-head block (V2-Lite's
     16), a padding row (empty context), contexts that end inside and at the edge of a tile, and
     splits past the end of short contexts; pages of 16 and 64; int32 and int64 lengths."""
+    import hitchllm_attention_mla.triton_mla as tm
+
     if kernel == "gluon_sm90" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel is for sm_90 (Hopper)")
+    smem = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
+    if smem < tm.LARGE_SMEM_BYTES:
+        pytest.skip(f"the H100 tiles need {tm.LARGE_SMEM_BYTES} bytes of shared memory")
     tiles = dataclasses.replace(LARGE_SMEM_TILES, kernel=kernel)
     seq_lens = [0, 1, 63, 64, 65, 700, 2049]
     # int32 lengths as decode batches pass them, int64 as mixed batches do.
@@ -130,8 +135,11 @@ def test_h100_decode_kernels_on_gpu(kernel, heads, num_splits):
                                             torch.bfloat16, "cuda", seed=block_size)
         lens = lens.to(lengths_dtype)
         scale = 192 ** -0.5
+        # The Gluon case must run the Gluon kernel, not its fallback.
+        assert tm._gluon_takes(q, cache, lens, 512, tiles) == (kernel == "gluon_sm90")
         out = mla_decode(q, cache, table, lens, scale, 512, max(seq_lens),
                          num_splits=num_splits, tiles=tiles)
+        assert (lengths_dtype, block_size) not in tm._gluon_failed
         expected = reference_decode(q, cache, table, lens, scale, 512)
         torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2)
 
@@ -161,8 +169,10 @@ def test_gluon_needs_triton_3_6():
 
 def test_hopper_kernel_falls_back_when_it_does_not_compile(monkeypatch):
     """A Triton whose Gluon rejects the Hopper kernel: the call runs the Triton kernel instead
-    (same result as with the Triton tiles), and later calls do not try the Hopper kernel again.
-    DeepSeek's latent dims (what the Hopper kernel takes), one short request, interpreter."""
+    (same result as with the Triton tiles), later calls of that specialization (lengths dtype,
+    page size) do not try the Hopper kernel again, and another specialization still does.
+    DeepSeek's latent dims (what the Hopper kernel takes), one short request, interpreter (the
+    device check answers "Hopper")."""
     from types import SimpleNamespace
 
     from triton.compiler.errors import CompilationError
@@ -172,18 +182,36 @@ def test_hopper_kernel_falls_back_when_it_does_not_compile(monkeypatch):
     tries = []
 
     def broken_launch(*args, **kwargs):
-        tries.append(1)
+        tries.append(args[3].dtype)
         raise CompilationError(None, None, "no such Gluon builtin")
 
     broken = SimpleNamespace(BLOCK_H=64, BLOCK_N=64, NUM_WARPS=8, ROPE=64,
                              mla_decode_partials_sm90={(1, 1, 1): broken_launch})
     monkeypatch.setattr(tm, "_gluon_module", lambda: broken)
-    monkeypatch.setattr(tm, "_gluon_failed", False)
-    q, cache, table, lens = random_case(4, 512, 64, [20], 16, torch.float16, "cpu")
+    monkeypatch.setattr(tm, "_on_hopper", lambda q: True)
+    monkeypatch.setattr(tm, "_gluon_failed", set())
+    q, cache, table, lens = random_case(4, 512, 64, [20], 16, torch.bfloat16, "cpu")
     tiles = dataclasses.replace(tm.HOPPER_TILES, target_programs=1)
     want = mla_decode(q, cache, table, lens, 0.1, 512, 20,
                       tiles=dataclasses.replace(tiles, kernel="triton"))
-    for _ in range(2):
-        got = mla_decode(q, cache, table, lens, 0.1, 512, 20, tiles=tiles)
+    for lengths in (torch.int32, torch.int32, torch.int64):
+        got = mla_decode(q, cache, table, lens.to(lengths), 0.1, 512, 20, tiles=tiles)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
-    assert tries == [1] and tm._gluon_failed
+    assert tries == [torch.int32, torch.int64]
+    assert tm._gluon_failed == {(torch.int32, 16), (torch.int64, 16)}
+
+
+def test_hopper_kernel_needs_its_gluon(monkeypatch):
+    """Where this Triton's Gluon lacks a name the kernel module uses (``_gluon_module`` is
+    None), the Hopper tiles run the Triton kernel."""
+    import hitchllm_attention_mla.triton_mla as tm
+
+    monkeypatch.setattr(tm, "_gluon_module", lambda: None)
+    monkeypatch.setattr(tm, "_on_hopper", lambda q: True)
+    q, cache, table, lens = random_case(4, 512, 64, [20], 16, torch.bfloat16, "cpu")
+    tiles = dataclasses.replace(tm.HOPPER_TILES, target_programs=1)
+    assert not tm._gluon_takes(q, cache, lens, 512, tiles)
+    want = mla_decode(q, cache, table, lens, 0.1, 512, 20,
+                      tiles=dataclasses.replace(tiles, kernel="triton"))
+    torch.testing.assert_close(mla_decode(q, cache, table, lens, 0.1, 512, 20, tiles=tiles),
+                               want, rtol=0, atol=0)

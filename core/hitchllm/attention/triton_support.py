@@ -58,7 +58,11 @@ def compile_for_gpu(kernel, constexprs: dict[str, object], types: dict[str, str]
     from triton.compiler import ASTSource
 
     if getattr(kernel, "is_gluon", lambda: False)():  # a @gluon.jit kernel
-        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
+        try:  # Gluon's source class is private: it may move between Triton releases
+            from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
+        except ImportError as exc:
+            raise RuntimeError(f"compile_for_gpu cannot compile Gluon kernels with Triton "
+                               f"{triton.__version__} ({exc})") from exc
     names = kernel.arg_names
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names

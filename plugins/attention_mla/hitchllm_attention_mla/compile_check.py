@@ -44,16 +44,17 @@ def compile_decode(tiles: MLADecodeTiles, capability: int, page: int = 64):
                            tiles.num_stages, capability)
 
 
-def compile_decode_gluon(page: int = 64, lengths: str = "*i32"):
+def compile_decode_gluon(page: int = 64, lengths: str = "*i32", acc: str = "*fp32"):
     """The Hopper (sm_90) Gluon decode kernel for bf16 queries and cache, context lengths of
-    type ``lengths`` (decode batches pass int32, mixed batches int64)."""
+    type ``lengths`` (decode batches pass int32, mixed batches int64) and partial outputs of
+    type ``acc`` (float32 with splits, the model dtype with one)."""
     from hitchllm_attention_mla import gluon_mla_kernel as g
 
     kernel = g.mla_decode_partials_sm90
     constexprs = {"KV_LORA_RANK": KV_LORA_RANK, "WIDTH": KV_LORA_RANK + ROPE, "PAGE": page,
                   "BLOCK_H": g.BLOCK_H, "BLOCK_N": g.BLOCK_N}
     types = FLOATS | {"q_ptr": "*bf16", "cache_ptr": "*bf16", "block_table_ptr": "*i32",
-                      "seq_lens_ptr": lengths}
+                      "seq_lens_ptr": lengths, "acc_ptr": acc}
     aligned = set(kernel.arg_names) - {"scale"}
     return compile_for_gpu(kernel, constexprs, types, aligned, g.NUM_WARPS, 1, 90)
 
@@ -76,6 +77,8 @@ def main() -> None:
             ("decode sm_90 Gluon", compile_decode_gluon(), H100_SHARED_MEMORY),
             ("decode sm_90 Gluon, page 16, int64 lengths", compile_decode_gluon(16, "*i64"),
              H100_SHARED_MEMORY),
+            ("decode sm_90 Gluon, one split (bf16 output)",
+             compile_decode_gluon(acc="*bf16"), H100_SHARED_MEMORY),
             ("decode sm_80", compile_decode(SMALL_SMEM_TILES, 80), A100_SHARED_MEMORY),
             ("merge sm_90", compile_merge(90), A100_SHARED_MEMORY)):
         shared = compiled.metadata.shared

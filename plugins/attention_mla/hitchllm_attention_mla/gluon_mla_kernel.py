@@ -16,8 +16,11 @@ the score work twice. Here the layouts are chosen by hand:
 - the next tile's copy (cp.async, 16 bytes a thread at a time, positions past the context
   clamped to its last token so no copy is masked) is issued before this tile's products, two
   buffers deep;
-- two barriers a tile (the tile has landed; the probabilities are complete), and the softmax
-  sums kept per thread until the end (the maxima are the only reduction across warpgroups).
+- two explicit barriers a tile (the tile has landed; the probabilities are complete), and the
+  softmax sums kept per thread until the end (the maxima are the only reduction across
+  warpgroups). Compiled (Triton 3.6 and 3.7) the loop has five: the compiler adds one before
+  the score product (it cannot tell the two tile buffers apart, so the copy into the other
+  one looks like a hazard) and the maxima's reduction takes two.
 
 Shared memory: the query block (72 KiB), two tiles (144 KiB) and the probabilities (8 KiB),
 224 KiB of the H100's 227.

@@ -25,7 +25,7 @@ import importlib.util
 import logging
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 
@@ -64,7 +64,7 @@ class MLADecodeTiles:
     target_programs: int = 128
     #: "triton" (``triton_mla_kernel``, any GPU and the interpreter) or "gluon_sm90"
     #: (``gluon_mla_kernel``: Hopper only, at its fixed tiles and DeepSeek's 512 + 64 dims).
-    kernel: str = "triton"
+    kernel: Literal["triton", "gluon_sm90"] = "triton"
 
 
 #: Tiles for Triton's CPU interpreter (tests): small blocks run fastest there.
@@ -139,22 +139,40 @@ def _gluon_module():
     return gluon_mla_kernel
 
 
-def _gluon_takes(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
-                 tiles: MLADecodeTiles) -> bool:
-    """Whether the Hopper kernel's fixed shapes fit this call (else the Triton kernel runs)."""
-    if tiles.kernel != "gluon_sm90" or _gluon_failed:
+# The specializations (lengths dtype, page size) the Hopper kernel failed to build or load
+# for here (a Triton whose Gluon differs from the one it was written for): those calls run the
+# Triton kernel from then on.
+_gluon_failed: set[tuple[torch.dtype, int]] = set()
+
+
+def hopper_kernel_fallbacks() -> set[tuple[torch.dtype, int]]:
+    """The (lengths dtype, page size) specializations whose calls fell back from the Hopper
+    kernel to the Triton kernel in this process (empty when none did)."""
+    return set(_gluon_failed)
+
+
+def _on_hopper(q: torch.Tensor) -> bool:
+    return q.is_cuda and _is_hopper(q.device)
+
+
+@functools.cache
+def _is_hopper(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def _gluon_takes(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor,
+                 kv_lora_rank: int, tiles: MLADecodeTiles) -> bool:
+    """Whether the Hopper kernel fits this call (else the Triton kernel runs): an sm_90 GPU,
+    its fixed tiles, DeepSeek's latent, bf16 queries and cache (the dtype it was tested in), and
+    a specialization that has not failed here."""
+    if tiles.kernel != "gluon_sm90" or (seq_lens.dtype, kv_cache.shape[1]) in _gluon_failed:
         return False
     g = _gluon_module()
-    return (g is not None and kv_lora_rank == 512
+    return (g is not None and _on_hopper(q) and kv_lora_rank == 512
             and q.shape[-1] - kv_lora_rank == g.ROPE
-            and q.dtype in (torch.bfloat16, torch.float16) and kv_cache.dtype == q.dtype
+            and q.dtype == torch.bfloat16 and kv_cache.dtype == q.dtype
             and (tiles.block_h, tiles.block_n, tiles.num_warps) == (g.BLOCK_H, g.BLOCK_N,
                                                                     g.NUM_WARPS))
-
-
-# Set when the Hopper kernel failed to compile here (a Triton whose Gluon differs from the one
-# it was written for): every later call runs the Triton kernel.
-_gluon_failed = False
 
 
 #: Latent columns per program of the split merge.
@@ -196,7 +214,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
             acc.stride(2), stats.stride(0), stats.stride(1), stats.stride(2), heads)
     dims = {"KV_LORA_RANK": kv_lora_rank, "WIDTH": width, "PAGE": kv_cache.shape[1],
             "BLOCK_H": tiles.block_h, "BLOCK_N": tiles.block_n}
-    if not (_gluon_takes(q, kv_cache, kv_lora_rank, tiles)
+    if not (_gluon_takes(q, kv_cache, seq_lens, kv_lora_rank, tiles)
             and _launch_gluon((head_blocks, num_splits, n), args, dims, tiles.num_warps)):
         mla_decode_partials[(head_blocks * (block_l // block_o), num_splits, n)](
             *args, **dims, BLOCK_L=block_l, BLOCK_R=_next_pow2(width - kv_lora_rank),
@@ -214,18 +232,20 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
 
 def _launch_gluon(grid: tuple[int, int, int], args: tuple, dims: dict[str, int],
                   num_warps: int) -> bool:
-    """Launch the Hopper kernel; False (and a warning, once) when it does not compile with
-    this Triton, so the caller runs the Triton kernel instead. A compile error is raised before
-    anything is launched, so a CUDA-graph capture in progress records only the fallback."""
-    global _gluon_failed
-    from triton.compiler.errors import CompilationError
+    """Launch the Hopper kernel; False (and a warning) when this Triton cannot build or load
+    it for this specialization (a compile, ptxas or MLIR pass error, or too many resources),
+    so the caller runs the Triton kernel instead. Those errors come before the launch, so a
+    CUDA-graph capture in progress records only the fallback."""
+    from triton.errors import TritonError
 
     try:
         _gluon_module().mla_decode_partials_sm90[grid](*args, **dims, num_warps=num_warps)
-    except CompilationError as exc:
-        _gluon_failed = True
-        logger.warning("TRITON_MLA: the Hopper decode kernel does not compile with this Triton "
-                       "(%s); using the Triton kernel", str(exc).splitlines()[-1][:200])
+    except (TritonError, RuntimeError) as exc:
+        lengths, page = args[3].dtype, dims["PAGE"]
+        _gluon_failed.add((lengths, page))
+        logger.warning("TRITON_MLA: the Hopper decode kernel failed for %s lengths and pages of "
+                       "%d with this Triton (%s: %s); using the Triton kernel",
+                       lengths, page, type(exc).__name__, str(exc).splitlines()[-1][:200])
         return False
     return True
 
