@@ -68,22 +68,16 @@ def _copy_tile(cache_ptr, table_row, first, last, c_buf, r_buf,
 
 @gluon.jit
 def mla_decode_partials_sm90(
-    q_ptr,  # [N, H, W]: absorbed no-rope part (L values), then the rope part (W - L)
-    cache_ptr,  # [blocks, block_size, W], contiguous
-    block_table_ptr,  # [N, cols] int32
-    seq_lens_ptr,  # [N]
-    acc_ptr,  # [N, H, S, L]: each split's latent output (normalized when S == 1)
-    stats_ptr,  # [2, N, H, S] float32: each split's running maximum (log2 units), its sum
-    scale,  # the softmax scale times log2(e)
+    q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, acc_ptr, stats_ptr, scale,
     stride_qt, stride_qh, stride_bt, stride_at, stride_ah, stride_as,
-    stride_s0, stride_st, stride_sh,
-    num_heads,
+    stride_s0, stride_st, stride_sh, num_heads,
     KV_LORA_RANK: gl.constexpr, WIDTH: gl.constexpr, PAGE: gl.constexpr,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
 ):
     """One program: ``BLOCK_H`` heads (``program_id(0)``) of request ``program_id(2)`` over
     one split (``program_id(1)``) of its context, cut as the Triton kernel cuts it; the whole
-    latent output per program. Outputs as ``mla_decode_partials``'s."""
+    latent output per program. Arguments (shapes, dtypes, units) and outputs as
+    ``triton_mla_kernel.mla_decode_partials``'s, which ``mla_decode`` launches the same way."""
     ROPE_W: gl.constexpr = WIDTH - KV_LORA_RANK
     # Scores: warps [4, 2], each warpgroup 64 heads x BLOCK_N / 2 tokens. Output: each
     # warpgroup 64 heads x KV_LORA_RANK / 2 columns.
