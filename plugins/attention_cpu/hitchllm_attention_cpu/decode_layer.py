@@ -196,9 +196,9 @@ class DecodeLayerKernel:
                 or positions.shape != (rows,) or positions.dtype != torch.int64
                 or not positions.is_contiguous()
                 or any(module.__dict__.get(self._key) is not kernel or module.weight is not weight
+                       or weight.data_ptr() != address
                        or type(module.linear_method) is not UnquantizedLinearMethod
-                       for module, kernel, weight in self.linears)
-                or any(w.data_ptr() != address for (_, _, w), address
+                       for (module, kernel, weight), address
                        in zip(self.linears, self._weight_addresses, strict=True))
                 or (self.dtype == torch.float32 and not mkl_linear.exact_float32())):
             return None

@@ -25,6 +25,9 @@ KV_LORA_RANK, ROPE = 512, 64
 A100_SHARED_MEMORY = 163 * 1024
 H100_SHARED_MEMORY = 227 * 1024
 FLOATS = {"acc_ptr": "*fp32", "stats_ptr": "*fp32", "scale": "fp32"}
+#: The decode kernels' arguments for bf16 queries and cache and int32 tables and lengths.
+DECODE_TYPES = FLOATS | {"q_ptr": "*bf16", "cache_ptr": "*bf16", "block_table_ptr": "*i32",
+                         "seq_lens_ptr": "*i32"}
 
 
 def compile_decode(tiles: MLADecodeTiles, capability: int, page: int = 64):
@@ -35,12 +38,10 @@ def compile_decode(tiles: MLADecodeTiles, capability: int, page: int = 64):
     constexprs = {"KV_LORA_RANK": KV_LORA_RANK, "WIDTH": KV_LORA_RANK + ROPE, "PAGE": page,
                   "BLOCK_H": tiles.block_h, "BLOCK_N": tiles.block_n, "BLOCK_L": KV_LORA_RANK,
                   "BLOCK_R": ROPE, "BLOCK_O": tiles.block_o}
-    types = FLOATS | {"q_ptr": "*bf16", "cache_ptr": "*bf16", "block_table_ptr": "*i32",
-                      "seq_lens_ptr": "*i32"}
     # At DeepSeek-V3 dims every pointer, stride and size is divisible by 16, which Triton notes
     # at launch (so its loads vectorize and pipeline the same way here).
     aligned = set(mla_decode_partials.arg_names) - {"scale"}
-    return compile_for_gpu(mla_decode_partials, constexprs, types, aligned, tiles.num_warps,
+    return compile_for_gpu(mla_decode_partials, constexprs, DECODE_TYPES, aligned, tiles.num_warps,
                            tiles.num_stages, capability)
 
 
@@ -53,8 +54,7 @@ def compile_decode_gluon(page: int = 64, lengths: str = "*i32", acc: str = "*fp3
     kernel = g.mla_decode_partials_sm90
     constexprs = {"KV_LORA_RANK": KV_LORA_RANK, "WIDTH": KV_LORA_RANK + ROPE, "PAGE": page,
                   "BLOCK_H": g.BLOCK_H, "BLOCK_N": g.BLOCK_N}
-    types = FLOATS | {"q_ptr": "*bf16", "cache_ptr": "*bf16", "block_table_ptr": "*i32",
-                      "seq_lens_ptr": lengths, "acc_ptr": acc}
+    types = DECODE_TYPES | {"seq_lens_ptr": lengths, "acc_ptr": acc}
     aligned = set(kernel.arg_names) - {"scale"}
     return compile_for_gpu(kernel, constexprs, types, aligned, g.NUM_WARPS, 1, 90)
 

@@ -24,6 +24,7 @@ import functools
 import importlib.util
 import logging
 import math
+import re
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -109,13 +110,8 @@ GLUON_MIN_TRITON = (3, 6)
 def gluon_supported(triton_version: str | None) -> bool:
     """Whether a Triton of ``triton_version`` ("3.6.0"; None: not installed) has the Gluon
     the Hopper kernel needs."""
-    if triton_version is None:
-        return False
-    parts = []
-    for piece in triton_version.split("+")[0].split(".")[:2]:
-        digits = "".join(c for c in piece if c.isdigit())
-        parts.append(int(digits) if digits else 0)
-    return tuple(parts) >= GLUON_MIN_TRITON
+    match = re.match(r"(\d+)\.(\d+)", triton_version or "")
+    return match is not None and (int(match[1]), int(match[2])) >= GLUON_MIN_TRITON
 
 
 def _triton_version() -> str | None:
