@@ -80,6 +80,43 @@ def test_failing_request_is_isolated_and_others_match_a_clean_run(
     assert texts(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == clean
 
 
+@pytest.mark.parametrize("bad", [{"r1"}, {"r0", "r1", "r4"}])
+def test_a_plan_waiting_for_a_failing_step_is_dropped_cleanly(llama_path, monkeypatch, bad):
+    """``min_tokens`` makes each plan wait for the step in flight (its tokens decide the
+    next): when that step fails, the waiting plan never reaches the runner. Its requests are
+    recomputed and the ids it reported go out with the next plan; before, the requests it
+    admitted ran later as if the runner knew them (KeyError) and were ended as failed."""
+    llm = LLM(llama_path, block_size=4, num_kv_blocks=256, max_model_len=128, max_num_seqs=2)
+    params = SamplingParams(temperature=0, max_tokens=6, min_tokens=6)
+    clean = texts(llm.generate(PROMPTS, params, use_tqdm=False))
+    engine = llm.engine
+    runner = engine.executor.runner
+    sample_step = runner._sample_step
+
+    def failing_decodes(plan, *args):
+        for rid, new, computed in zip(plan.request_ids, plan.num_scheduled_tokens,
+                                      plan.num_computed_tokens):
+            if rid in bad and new == 1 and computed > 0:
+                raise RuntimeError("injected failure")
+        return sample_step(plan, *args)
+
+    monkeypatch.setattr(runner, "_sample_step", failing_decodes)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(p, params, request_id=f"r{i}")
+    final = {}
+    while engine.has_unfinished_requests():
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+    assert set(final) == {f"r{i}" for i in range(len(PROMPTS))}
+    for rid, out in final.items():
+        if rid in bad:
+            assert out.outputs[0].finish_reason == "error"
+            assert "RuntimeError" in out.error, out.error
+        else:
+            assert out.outputs[0].finish_reason == "length", (rid, out.error)
+            assert out.outputs[0].text == clean[int(rid[1:])], rid
+    assert engine.kv_cache.num_free_blocks == engine.num_kv_blocks
+
+
 def test_isolation_takes_logarithmic_steps(llm, monkeypatch):
     engine = llm.engine
     calls: list[str] = []

@@ -103,6 +103,9 @@ class _StepWork:
 
     running: list[Request] = field(default_factory=list)
     launched: list[Request] = field(default_factory=list)
+    #: A plan scheduled while a step was in flight and not launched yet (it waits for that
+    #: step's tokens): if that step fails, the runner never sees this plan.
+    unsent: StepPlan | None = None
 
 
 @dataclass
@@ -685,7 +688,11 @@ class LLMEngine:
         plan = self._schedule()
         requests = [self.scheduler.requests[rid] for rid in plan.request_ids]
         if self._in_flight and not self._may_overlap(requests):
+            # Should the step in flight fail, this plan is dropped unsent: its requests are
+            # recomputed like those of a dropped launch (``_recover``).
+            work.launched, work.unsent = requests, plan
             outputs += self._complete_in_flight(work)
+            work.launched, work.unsent = [], None
         if plan.is_empty and not self._in_flight and self.scheduler.has_unfinished_requests():
             if not self._waits_for_kv():
                 raise RuntimeError("scheduler made no progress with unfinished requests queued")
@@ -800,6 +807,8 @@ class LLMEngine:
             except Exception:
                 suspects += work.running
         bystanders = [r for r in work.launched if r not in suspects]
+        if work.unsent is not None:
+            self.scheduler.requeue_unsent(work.unsent)
         suspects = [r for r in dict.fromkeys(suspects) if not r.finished]
         self._consecutive_failures += 1
         fatal = isinstance(exc, _DEVICE_ERRORS) or not suspects

@@ -470,6 +470,14 @@ class Scheduler:
         half = (len(live) + 1) // 2
         self._suspects[:0] = [set(g) for g in (live[:half], live[half:]) if g]
 
+    def requeue_unsent(self, plan: StepPlan) -> None:
+        """``plan`` was dropped before the runner saw it (a step in flight failed while it
+        waited): the finished and preempted requests it reported go out with the next plan,
+        so the runner still drops their state. Its scheduled requests are recomputed
+        (``quarantine``'s bystanders)."""
+        self._preempted[:0] = plan.preempted_ids
+        self._finished[:0] = plan.finished_ids
+
     @property
     def num_suspects(self) -> int:
         return sum(len(g) for g in self._suspects)
