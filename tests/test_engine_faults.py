@@ -80,27 +80,48 @@ def test_failing_request_is_isolated_and_others_match_a_clean_run(
     assert texts(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == clean
 
 
+@pytest.mark.parametrize("where", ["sampling", "forward"])
 @pytest.mark.parametrize("bad", [{"r1"}, {"r0", "r1", "r4"}])
-def test_a_plan_waiting_for_a_failing_step_is_dropped_cleanly(llama_path, monkeypatch, bad):
+def test_a_plan_waiting_for_a_failing_step_is_dropped_cleanly(llama_path, monkeypatch, bad,
+                                                               where):
     """``min_tokens`` makes each plan wait for the step in flight (its tokens decide the
     next): when that step fails, the waiting plan never reaches the runner. Its requests are
-    recomputed and the ids it reported go out with the next plan; before, the requests it
-    admitted ran later as if the runner knew them (KeyError) and were ended as failed."""
+    recomputed (the blocks it was to write leave the prefix cache) and the ids it reported go
+    out with the next plan; before, the requests it admitted ran later as if the runner knew
+    them (KeyError) and were ended as failed."""
     llm = LLM(llama_path, block_size=4, num_kv_blocks=256, max_model_len=128, max_num_seqs=2)
     params = SamplingParams(temperature=0, max_tokens=6, min_tokens=6)
     clean = texts(llm.generate(PROMPTS, params, use_tqdm=False))
     engine = llm.engine
+    # No block of the clean run may stand in for one the dropped plan never wrote.
+    assert engine.kv_cache.reset_prefix_cache()
     runner = engine.executor.runner
+    launch, forward = runner._launch, runner._eager_forward
+    planned = []
+
+    def fails(plan) -> bool:
+        return any(rid in bad and new == 1 and computed > 0 for rid, new, computed in zip(
+            plan.request_ids, plan.num_scheduled_tokens, plan.num_computed_tokens))
+
+    def failing_launch(plan):
+        planned[:] = [plan]
+        if where == "sampling" and fails(plan):
+            # After the forward: the step's K/V is written, its tokens are not.
+            monkeypatch.setattr(runner, "_sample_step", broken)
+        return launch(plan)
+
+    def broken(*args):
+        monkeypatch.setattr(runner, "_sample_step", sample_step)
+        raise RuntimeError("injected failure")
+
+    def failing_forward(*args):
+        if where == "forward" and fails(planned[0]):  # before any K/V of the step is written
+            raise RuntimeError("injected failure")
+        return forward(*args)
+
     sample_step = runner._sample_step
-
-    def failing_decodes(plan, *args):
-        for rid, new, computed in zip(plan.request_ids, plan.num_scheduled_tokens,
-                                      plan.num_computed_tokens):
-            if rid in bad and new == 1 and computed > 0:
-                raise RuntimeError("injected failure")
-        return sample_step(plan, *args)
-
-    monkeypatch.setattr(runner, "_sample_step", failing_decodes)
+    monkeypatch.setattr(runner, "_launch", failing_launch)
+    monkeypatch.setattr(runner, "_eager_forward", failing_forward)
     for i, p in enumerate(PROMPTS):
         engine.add_request(p, params, request_id=f"r{i}")
     final = {}

@@ -247,6 +247,21 @@ def test_hit_on_freed_cached_blocks_takes_them_off_the_free_queue() -> None:
     assert manager.num_free_blocks == 8 - 4
 
 
+def test_blocks_a_failed_step_was_to_write_are_never_hit() -> None:
+    """Blocks enter the prefix cache when their step is scheduled; a step that failed or never
+    ran leaves them unwritten, so ``uncache_from`` drops them (and only them) from the cache
+    and a later request misses from there on."""
+    manager = KVCacheManager(num_blocks=16, block_size=BS)
+    a = make_request("a", list(range(13)))
+    a.num_computed_tokens = 4  # one block written before the failed step
+    assert manager.allocate_slots(a, 9)
+    manager.uncache_from(a, 4)
+    manager.free(a)
+    assert admit(manager, make_request("b", list(range(13)))) == 4
+    # Its own later steps offer the blocks again once they are written.
+    assert admit(manager, make_request("c", list(range(13)))) == 12
+
+
 def test_hit_requires_the_whole_prefix_not_just_the_block() -> None:
     """A block with equal tokens after a different earlier block is not a hit (hashes chain)."""
     manager = KVCacheManager(num_blocks=16, block_size=BS)

@@ -103,6 +103,8 @@ class _StepWork:
 
     running: list[Request] = field(default_factory=list)
     launched: list[Request] = field(default_factory=list)
+    #: The plan of the step being completed: if it fails, the blocks it wrote are suspect.
+    completing: StepPlan | None = None
     #: A plan scheduled while a step was in flight and not launched yet (it waits for that
     #: step's tokens): if that step fails, the runner never sees this plan.
     unsent: StepPlan | None = None
@@ -707,6 +709,7 @@ class LLMEngine:
         if self._overlap and not plan.is_empty:
             self._in_flight.append(launched)
         else:
+            work.completing = plan
             outputs += self._complete(launched)
         work.launched = []
 
@@ -791,7 +794,7 @@ class LLMEngine:
 
     def _fold_in_flight(self, work: _StepWork) -> _Folded:
         in_flight = self._in_flight.popleft()
-        work.running = in_flight.requests
+        work.running, work.completing = in_flight.requests, in_flight.plan
         return self._fold(in_flight)
 
     def _recover(self, exc: Exception, work: _StepWork) -> list[RequestOutput]:
@@ -807,6 +810,8 @@ class LLMEngine:
             except Exception:
                 suspects += work.running
         bystanders = [r for r in work.launched if r not in suspects]
+        if work.completing is not None:
+            self.scheduler.uncache_unwritten(work.completing)
         if work.unsent is not None:
             self.scheduler.requeue_unsent(work.unsent)
         suspects = [r for r in dict.fromkeys(suspects) if not r.finished]

@@ -130,6 +130,11 @@ class BlockPool:
             del self._cached[block.block_hash]
         block.block_hash = None
 
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Forget ``block``'s hash (its contents are not what the hash says); no-op when it
+        has none."""
+        self._evict(block)
+
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take one more reference on each block (a prefix cache hit); free ones leave the queue."""
         for block in blocks:

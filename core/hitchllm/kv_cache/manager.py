@@ -248,6 +248,17 @@ class KVCacheManager:
             self.block_pool.cache_block(blocks[i], hashes[i])
         self._num_registered[rid] = num_full
 
+    def uncache_from(self, request: Request, num_tokens: int) -> None:
+        """``request``'s blocks from token ``num_tokens`` on may not hold the K/V their hashes
+        promise (the step that was to write them failed or never ran): they leave the prefix
+        cache, so a recompute cannot hit them."""
+        rid = request.request_id
+        first = num_tokens // self.block_size
+        for block in self._blocks.get(rid, [])[first:]:
+            self.block_pool.uncache(block)
+        if self._num_registered.get(rid, 0) > first:
+            self._num_registered[rid] = first
+
     # ---- swap preemption ----------------------------------------------------------------
 
     def is_swapped(self, request_id: str) -> bool:

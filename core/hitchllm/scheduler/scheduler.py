@@ -470,11 +470,21 @@ class Scheduler:
         half = (len(live) + 1) // 2
         self._suspects[:0] = [set(g) for g in (live[:half], live[half:]) if g]
 
+    def uncache_unwritten(self, plan: StepPlan) -> None:
+        """``plan``'s step failed or never ran: the blocks it was to write leave the prefix
+        cache (they were offered to it when scheduled). Call before ``quarantine`` frees
+        them."""
+        for rid, num_computed in zip(plan.request_ids, plan.num_computed_tokens):
+            request = self.requests.get(rid)
+            if request is not None:
+                self.kv_cache.uncache_from(request, num_computed)
+
     def requeue_unsent(self, plan: StepPlan) -> None:
         """``plan`` was dropped before the runner saw it (a step in flight failed while it
         waited): the finished and preempted requests it reported go out with the next plan,
-        so the runner still drops their state. Its scheduled requests are recomputed
-        (``quarantine``'s bystanders)."""
+        so the runner still drops their state, and the blocks it was to write leave the prefix
+        cache. Its scheduled requests are recomputed (``quarantine``'s bystanders)."""
+        self.uncache_unwritten(plan)
         self._preempted[:0] = plan.preempted_ids
         self._finished[:0] = plan.finished_ids
 
