@@ -96,32 +96,30 @@ def test_a_plan_waiting_for_a_failing_step_is_dropped_cleanly(llama_path, monkey
     # No block of the clean run may stand in for one the dropped plan never wrote.
     assert engine.kv_cache.reset_prefix_cache()
     runner = engine.executor.runner
-    launch, forward = runner._launch, runner._eager_forward
+    launch, forward, sample_step = runner._launch, runner._eager_forward, runner._sample_step
     planned = []
 
     def fails(plan) -> bool:
         return any(rid in bad and new == 1 and computed > 0 for rid, new, computed in zip(
             plan.request_ids, plan.num_scheduled_tokens, plan.num_computed_tokens))
 
-    def failing_launch(plan):
+    def recording_launch(plan):
         planned[:] = [plan]
-        if where == "sampling" and fails(plan):
-            # After the forward: the step's K/V is written, its tokens are not.
-            monkeypatch.setattr(runner, "_sample_step", broken)
         return launch(plan)
 
-    def broken(*args):
-        monkeypatch.setattr(runner, "_sample_step", sample_step)
-        raise RuntimeError("injected failure")
-
-    def failing_forward(*args):
-        if where == "forward" and fails(planned[0]):  # before any K/V of the step is written
+    def failing_forward(*args):  # before any K/V of the step is written
+        if where == "forward" and fails(planned[0]):
             raise RuntimeError("injected failure")
         return forward(*args)
 
-    sample_step = runner._sample_step
-    monkeypatch.setattr(runner, "_launch", failing_launch)
+    def failing_sampling(plan, *args):  # after: the step's K/V is written, its tokens not
+        if where == "sampling" and fails(plan):
+            raise RuntimeError("injected failure")
+        return sample_step(plan, *args)
+
+    monkeypatch.setattr(runner, "_launch", recording_launch)
     monkeypatch.setattr(runner, "_eager_forward", failing_forward)
+    monkeypatch.setattr(runner, "_sample_step", failing_sampling)
     for i, p in enumerate(PROMPTS):
         engine.add_request(p, params, request_id=f"r{i}")
     final = {}

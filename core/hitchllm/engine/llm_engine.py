@@ -103,11 +103,13 @@ class _StepWork:
 
     running: list[Request] = field(default_factory=list)
     launched: list[Request] = field(default_factory=list)
-    #: The plan of the step being completed: if it fails, the blocks it wrote are suspect.
-    completing: StepPlan | None = None
-    #: A plan scheduled while a step was in flight and not launched yet (it waits for that
-    #: step's tokens): if that step fails, the runner never sees this plan.
-    unsent: StepPlan | None = None
+    #: The plans of ``running`` and ``launched``: the blocks a failed or dropped plan was to
+    #: write are suspect.
+    plan: StepPlan | None = None
+    launched_plan: StepPlan | None = None
+    #: False while ``launched_plan`` waits for the step in flight before its launch (its
+    #: requests need that step's tokens): dropped then, the runner never sees it.
+    sent: bool = True
 
 
 @dataclass
@@ -691,27 +693,25 @@ class LLMEngine:
         requests = [self.scheduler.requests[rid] for rid in plan.request_ids]
         if self._in_flight and not self._may_overlap(requests):
             # Should the step in flight fail, this plan is dropped unsent: its requests are
-            # recomputed like those of a dropped launch (``_recover``).
-            work.launched, work.unsent = requests, plan
+            # recomputed like those of a dropped launch and its ids requeued (``_recover``).
+            work.launched, work.launched_plan, work.sent = requests, plan, False
             outputs += self._complete_in_flight(work)
-            work.launched, work.unsent = [], None
         if plan.is_empty and not self._in_flight and self.scheduler.has_unfinished_requests():
             if not self._waits_for_kv():
                 raise RuntimeError("scheduler made no progress with unfinished requests queued")
             if not plan.has_kv_transfers:
                 time.sleep(KV_POLL_INTERVAL_S)  # nothing to run until KV arrives
-        work.running = requests
+        work.running, work.plan = requests, plan
         launched = self._launch(plan, requests)
-        work.launched = requests
+        work.launched, work.launched_plan, work.sent = requests, plan, True
         if self._in_flight:
             outputs += self._complete_in_flight(work)
-        work.running = requests
+        work.running, work.plan = requests, plan
         if self._overlap and not plan.is_empty:
             self._in_flight.append(launched)
         else:
-            work.completing = plan
             outputs += self._complete(launched)
-        work.launched = []
+        work.launched, work.launched_plan = [], None
 
     def _waits_for_kv(self) -> bool:
         transfers = self.scheduler.kv_transfer
@@ -740,11 +740,11 @@ class LLMEngine:
                         self.scheduler.has_unfinished_requests()):
                     raise RuntimeError("scheduler made no progress with unfinished requests "
                                        "queued")
-                work.running = requests
+                work.running, work.plan = requests, plan
                 # An empty plan still tells the stages of finished and preempted requests; it
                 # queues behind the steps in flight (steps complete in launch order).
                 self._in_flight.append(self._launch(plan, requests))
-                work.running = []
+                work.running, work.plan = [], None
                 if not plan.is_empty or not self._num_in_flight():
                     break
                 # Nothing was free: fold up to the oldest step of requests (one is in flight),
@@ -794,13 +794,14 @@ class LLMEngine:
 
     def _fold_in_flight(self, work: _StepWork) -> _Folded:
         in_flight = self._in_flight.popleft()
-        work.running, work.completing = in_flight.requests, in_flight.plan
+        work.running, work.plan = in_flight.requests, in_flight.plan
         return self._fold(in_flight)
 
     def _recover(self, exc: Exception, work: _StepWork) -> list[RequestOutput]:
         """Contain a failed step (see ``step``); returns the outputs it still produced."""
         outputs: list[RequestOutput] = []
         suspects = list(work.running)
+        failed = [work.plan]
         # Work launched before the failure and not part of it: the steps in flight complete
         # (their tokens are good); a step launched here and not queued is dropped, its
         # requests recomputed.
@@ -809,11 +810,13 @@ class LLMEngine:
                 outputs += self._complete_in_flight(work)
             except Exception:
                 suspects += work.running
+                failed.append(work.plan)
         bystanders = [r for r in work.launched if r not in suspects]
-        if work.completing is not None:
-            self.scheduler.uncache_unwritten(work.completing)
-        if work.unsent is not None:
-            self.scheduler.requeue_unsent(work.unsent)
+        for plan in (*failed, work.launched_plan):
+            if plan is not None:
+                self.scheduler.uncache_unwritten(plan)
+        if work.launched_plan is not None and not work.sent:
+            self.scheduler.requeue_unsent(work.launched_plan)
         suspects = [r for r in dict.fromkeys(suspects) if not r.finished]
         self._consecutive_failures += 1
         fatal = isinstance(exc, _DEVICE_ERRORS) or not suspects

@@ -117,23 +117,20 @@ class BlockPool:
         blocks = []
         for _ in range(n):
             block = self.free_block_queue.popleft()
-            self._evict(block)
+            self.uncache(block)
             block.ref_cnt = 1
             blocks.append(block)
         return blocks
 
-    def _evict(self, block: KVCacheBlock) -> None:
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Forget ``block``'s hash (it is reused, or its contents are not what the hash says);
+        no-op when it has none."""
         if block.block_hash is None:
             return
         # A duplicate block never owns its hash's map entry, so only drop an entry that is ours.
         if self._cached.get(block.block_hash) is block:
             del self._cached[block.block_hash]
         block.block_hash = None
-
-    def uncache(self, block: KVCacheBlock) -> None:
-        """Forget ``block``'s hash (its contents are not what the hash says); no-op when it
-        has none."""
-        self._evict(block)
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take one more reference on each block (a prefix cache hit); free ones leave the queue."""

@@ -482,9 +482,8 @@ class Scheduler:
     def requeue_unsent(self, plan: StepPlan) -> None:
         """``plan`` was dropped before the runner saw it (a step in flight failed while it
         waited): the finished and preempted requests it reported go out with the next plan,
-        so the runner still drops their state, and the blocks it was to write leave the prefix
-        cache. Its scheduled requests are recomputed (``quarantine``'s bystanders)."""
-        self.uncache_unwritten(plan)
+        so the runner still drops their state. Its scheduled requests are recomputed
+        (``quarantine``'s bystanders; ``uncache_unwritten`` first)."""
         self._preempted[:0] = plan.preempted_ids
         self._finished[:0] = plan.finished_ids
 
