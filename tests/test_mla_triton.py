@@ -185,7 +185,7 @@ def test_hopper_kernel_falls_back_when_it_does_not_compile(monkeypatch):
         tries.append(args[3].dtype)
         raise CompilationError(None, None, "no such Gluon builtin")
 
-    broken = SimpleNamespace(BLOCK_H=64, BLOCK_N=64, NUM_WARPS=8, ROPE=64,
+    broken = SimpleNamespace(BLOCK_H=64, BLOCK_N=64, NUM_WARPS=8, ROPE=64, LAUNCH_WARPS=4,
                              mla_decode_partials_sm90={(1, 1, 1): broken_launch})
     monkeypatch.setattr(tm, "_gluon_module", lambda: broken)
     monkeypatch.setattr(tm, "_on_hopper", lambda q: True)

@@ -56,7 +56,7 @@ def compile_decode_gluon(page: int = 64, lengths: str = "*i32", acc: str = "*fp3
                   "BLOCK_H": g.BLOCK_H, "BLOCK_N": g.BLOCK_N}
     types = DECODE_TYPES | {"seq_lens_ptr": lengths, "acc_ptr": acc}
     aligned = set(kernel.arg_names) - {"scale"}
-    return compile_for_gpu(kernel, constexprs, types, aligned, g.NUM_WARPS, 1, 90)
+    return compile_for_gpu(kernel, constexprs, types, aligned, g.LAUNCH_WARPS, 1, 90)
 
 
 def compile_merge(capability: int):

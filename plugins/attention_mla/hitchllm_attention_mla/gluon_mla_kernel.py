@@ -1,29 +1,32 @@
 """TRITON_MLA's decode kernel for Hopper GPUs (sm_90), written in Gluon (Triton's lower-level
-language with explicit layouts); imported only where it runs.
+language with explicit layouts and warp specialization); imported only where it runs.
 
 It computes what ``triton_mla_kernel.mla_decode_partials`` computes, with the same arguments
 and outputs, for the shapes DeepSeek's MLA has (64 heads per program, a latent of 512 and a
-rope part of 64 values, 64-token tiles, 8 warps). Why a second kernel: compiled for an H100,
-the Triton kernel's score product runs on both warpgroups at once, each computing the whole
-64 x 64 score tile (Triton lays the scores out for the value product, which splits the 512
-output columns between the warpgroups and needs every score in both), so the tensor cores do
-the score work twice. Here the layouts are chosen by hand:
+rope part of 64 values). Its programs are cut into splits as the Triton kernel's are
+(``BLOCK_N`` tokens) and walk their tokens in 32-token tiles.
 
-- scores ``q . latent`` are split by tokens: each warpgroup computes 64 heads x 32 tokens of
-  the tile (wgmma from shared memory: the query block and the tile, 64 x 576 each);
-- the probabilities go to shared memory once (64 x 64 bf16) and both warpgroups read them as
-  the value product's A operand, each for its 256 of the 512 output columns;
-- the next tile's copy (cp.async, 16 bytes a thread at a time, positions past the context
-  clamped to its last token so no copy is masked) is issued before this tile's products, two
-  buffers deep;
-- two explicit barriers a tile (the tile has landed; the probabilities are complete), and the
-  softmax sums kept per thread until the end (the maxima are the only reduction across
-  warpgroups). Compiled (Triton 3.6 and 3.7) the loop has five: the compiler adds one before
-  the score product (it cannot tell the two tile buffers apart, so the copy into the other
-  one looks like a hazard) and the maxima's reduction takes two.
+Two warpgroups take turns ("seesaw"): warpgroup ``r`` owns the tiles ``t`` with ``t % 2 ==
+r``. For its own tile the owner computes the scores ``q . latent`` (64 heads x 32 tokens, the
+query block and the tile from shared memory), the online softmax against the running maximum
+the other warpgroup handed over for the tile before, and hands the tile's probabilities and
+row statistics (maximum, rescale factor, sum) to the other warpgroup through shared memory
+and an mbarrier. Both warpgroups multiply every tile's probabilities by their own 256 of the
+512 latent output columns, so each keeps half the output (64 x 256 float32) in registers.
+While one warpgroup runs its softmax the other's score product runs on the tensor cores.
+Against the kernel this replaced (both warpgroups on every tile: scores split by tokens, two
+CTA-wide barriers a tile) it reads the query block once per tile instead of twice and has no
+CTA-wide barrier in its loop.
 
-Shared memory: the query block (72 KiB), two tiles (144 KiB) and the probabilities (8 KiB),
-224 KiB of the H100's 227.
+Tiles come in with cp.async, four 32-token buffers deep. Each warpgroup copies its own half of
+the latent columns of every tile (the half it multiplies, so it can refill that half as soon
+as its own product is done) and the rope part of its own tiles (only its score product reads
+it); each thread's copies arrive on the tile's mbarrier (256 arrivals a tile). The block-table
+rows of a refill are loaded at the top of a step, long before its copies are issued.
+
+Shared memory: the query's latent part (64 KiB; the rope part sits in registers as the score
+product's A operand), four tiles (144 KiB), four probability tiles (16 KiB), two slots of row
+statistics and the mbarriers: 226 KiB of the H100's 227.
 """
 
 from __future__ import annotations
@@ -33,37 +36,181 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy,
     fence_async_shared,
+    mbarrier,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
-#: The shapes the kernel is written for (``mla_decode`` uses it only for these).
+#: The tiles ``mla_decode`` selects this kernel with (``triton_mla.HOPPER_TILES``): 64 heads
+#: per program, splits cut at 64 tokens, 8 warps in all.
 BLOCK_H, BLOCK_N, NUM_WARPS, ROPE = 64, 64, 8, 64
-
-# A barrier of the program's threads: ``gl.barrier`` from Triton 3.7, ``gl.thread_barrier``
-# before.
-_cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+#: The warps a launch names: one warpgroup; ``warp_specialize`` adds the second.
+LAUNCH_WARPS = 4
 
 
 @gluon.jit
-def _copy_tile(cache_ptr, table_row, first, last, c_buf, r_buf,
-               KV_LORA_RANK: gl.constexpr, WIDTH: gl.constexpr, PAGE: gl.constexpr,
-               BLOCK_N: gl.constexpr, ld_c: gl.constexpr, ld_r: gl.constexpr):
-    """Start the copies of the latents at positions ``first .. first + BLOCK_N - 1`` (those
-    past ``last`` read position ``last`` again) into ``c_buf`` (the latent part) and
-    ``r_buf`` (the rope part)."""
+def _rows(table_row, first, last, TILE: gl.constexpr, PAGE: gl.constexpr,
+          layout: gl.constexpr):
+    """Cache rows of positions ``first .. first + TILE - 1`` (those past ``last`` read
+    position ``last``, so no copy is masked)."""
+    pos = gl.minimum(first + gl.arange(0, TILE, layout=gl.SliceLayout(1, layout)), last)
+    return gl.load(table_row + pos // PAGE).to(gl.int64) * PAGE + pos % PAGE
+
+
+@gluon.jit
+def _copy(cache_ptr, rows, buf, COL0: gl.constexpr, COLS: gl.constexpr, WIDTH: gl.constexpr,
+          layout: gl.constexpr):
+    """Start copying columns ``COL0 .. COL0 + COLS - 1`` of the cache ``rows`` into ``buf``."""
+    cols = COL0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+    async_copy.async_copy_global_to_shared(buf, cache_ptr + rows[:, None] * WIDTH + cols[None, :])
+
+
+@gluon.jit
+def _step(u, HAS_OTHER: gl.constexpr, HAS_OWN: gl.constexpr, ROLE: gl.constexpr,
+          m_i, l_i, o, q_rope, cache_ptr, table_row, scale, start, end, num_tiles,
+          q_smem, tiles, ropes, probs, st_max, st_alpha, st_sum, landed, handed,
+          KV_LORA_RANK: gl.constexpr, WIDTH: gl.constexpr, PAGE: gl.constexpr,
+          BLOCK_H: gl.constexpr, TILE: gl.constexpr):
+    """One turn of warpgroup ``ROLE``: the other warpgroup's tile ``u - 1`` (``HAS_OTHER``)
+    and its own tile ``u`` (``HAS_OWN``). Returns the running maximum, sum and output half."""
     ROPE_W: gl.constexpr = WIDTH - KV_LORA_RANK
-    pos_c = gl.minimum(first + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_c)), last)
-    row_c = gl.load(table_row + pos_c // PAGE).to(gl.int64) * PAGE + pos_c % PAGE
-    cols_c = gl.arange(0, KV_LORA_RANK, layout=gl.SliceLayout(0, ld_c))
-    async_copy.async_copy_global_to_shared(
-        c_buf, cache_ptr + row_c[:, None] * WIDTH + cols_c[None, :])
-    pos_r = gl.minimum(first + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_r)), last)
-    row_r = gl.load(table_row + pos_r // PAGE).to(gl.int64) * PAGE + pos_r % PAGE
-    cols_r = gl.arange(0, ROPE_W, layout=gl.SliceLayout(0, ld_r))
-    async_copy.async_copy_global_to_shared(
-        r_buf, cache_ptr + row_r[:, None] * WIDTH + KV_LORA_RANK + cols_r[None, :])
-    async_copy.commit_group()
+    HALF: gl.constexpr = KV_LORA_RANK // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TILE, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    v = u - 1
+    # The refills' block-table rows, loaded now and used after the products.
+    if HAS_OTHER:
+        rows_other = _rows(table_row, start + (u + 3) * TILE, end - 1, TILE, PAGE, ld)
+    if HAS_OWN:
+        rows_own = _rows(table_row, start + (u + 4) * TILE, end - 1, TILE, PAGE, ld)
+        mbarrier.wait(landed.index(u % 4), (u // 4) & 1)
+        fence_async_shared()  # cp.async wrote the tile; the tensor cores read it
+        s = gl.zeros([BLOCK_H, TILE], gl.float32, layout=s_layout)
+        # ``u >> 30`` is 0 but not a constant: it keeps ptxas from hoisting the query block's
+        # 32 descriptors out of the loop (they spilled).
+        s = warpgroup_mma(q_smem.index(u >> 30), tiles.index(u % 4).permute((1, 0)), s,
+                          use_acc=False, is_async=True)
+        s = warpgroup_mma(q_rope, ropes.index(u % 4).permute((1, 0)), s, is_async=True)
+    if HAS_OTHER:
+        mbarrier.wait(handed.index(v % 2), (v // 2) & 1)
+        alpha_v = st_alpha.index(v % 2).load(row_o)
+        m_i = st_max.index(v % 2).load(row_s)
+        l_i = l_i * alpha_v + st_sum.index(v % 2).load(row_o)
+    if HAS_OWN:
+        s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
+        if u + 4 < num_tiles:  # our tile u + 4's rope part: only our score product reads it
+            _copy(cache_ptr, rows_own, ropes.index(u % 4), KV_LORA_RANK, ROPE_W, WIDTH, ld)
+        pos = start + u * TILE + gl.arange(0, TILE, layout=gl.SliceLayout(0, s_layout))
+        s = gl.where((pos < end)[None, :], s * scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        p = gl.exp2(s - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        rs = gl.sum(p, 1)
+        probs.index(u % 4).store(p.to(q_smem.dtype))
+        st_max.index(u % 2).store(m_new)
+        st_alpha.index(u % 2).store(alpha)
+        st_sum.index(u % 2).store(rs)
+        fence_async_shared()  # the other warpgroup's tensor cores read the probabilities
+        mbarrier.arrive(handed.index(u % 2))
+        m_i = m_new
+    if HAS_OTHER:
+        o = o * alpha_v[:, None]
+        o = warpgroup_mma(probs.index(v % 4), tiles.index(v % 4).slice(ROLE * HALF, HALF, 1),
+                          o, is_async=True)
+        o = warpgroup_mma_wait(num_outstanding=0, deps=[o])
+        if u + 3 < num_tiles:  # the other's tile u + 3 into our half of tile v's buffer
+            _copy(cache_ptr, rows_other, tiles.index(v % 4).slice(ROLE * HALF, HALF, 1),
+                  ROLE * HALF, HALF, WIDTH, ld)
+            async_copy.mbarrier_arrive(landed.index(v % 4), increment_count=False)
+    if HAS_OWN:
+        alpha_o = gl.convert_layout(alpha, row_o)
+        l_i = l_i * alpha_o + gl.convert_layout(rs, row_o)
+        o = o * alpha_o[:, None]
+        o = warpgroup_mma(probs.index(u % 4), tiles.index(u % 4).slice(ROLE * HALF, HALF, 1),
+                          o, is_async=True)
+        o = warpgroup_mma_wait(num_outstanding=0, deps=[o])
+        if u + 4 < num_tiles:
+            _copy(cache_ptr, rows_own, tiles.index(u % 4).slice(ROLE * HALF, HALF, 1),
+                  ROLE * HALF, HALF, WIDTH, ld)
+            async_copy.mbarrier_arrive(landed.index(u % 4), increment_count=False)
+    return m_i, l_i, o
+
+
+@gluon.jit
+def _warpgroup(ROLE: gl.constexpr, q_ptr, cache_ptr, table_row, acc_ptr, stats_ptr, req, split,
+               head0, scale, start, end, num_tiles, stride_qt, stride_qh, stride_at, stride_ah,
+               stride_as, stride_s0, stride_st, stride_sh, num_heads,
+               q_smem, tiles, ropes, probs, st_max, st_alpha, st_sum, landed, handed,
+               KV_LORA_RANK: gl.constexpr, WIDTH: gl.constexpr, PAGE: gl.constexpr,
+               BLOCK_H: gl.constexpr, TILE: gl.constexpr):
+    """Warpgroup ``ROLE``'s whole program: its copies of the first four tiles, its turns, and
+    its half of the output (and, for warpgroup 0, the row statistics)."""
+    ROPE_W: gl.constexpr = WIDTH - KV_LORA_RANK
+    HALF: gl.constexpr = KV_LORA_RANK // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TILE, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
+    q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    heads = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
+    cols = gl.arange(0, ROPE_W, layout=gl.SliceLayout(0, q_layout))
+    q_rope = gl.load(q_ptr + req * stride_qt + heads.to(gl.int64)[:, None] * stride_qh
+                     + KV_LORA_RANK + cols[None, :],
+                     mask=(heads < num_heads)[:, None] & (cols < ROPE_W)[None, :], other=0.0)
+    for t in gl.static_range(4):
+        if t < num_tiles:
+            rows = _rows(table_row, start + t * TILE, end - 1, TILE, PAGE, ld)
+            _copy(cache_ptr, rows, tiles.index(t).slice(ROLE * HALF, HALF, 1), ROLE * HALF,
+                  HALF, WIDTH, ld)
+            if t % 2 == ROLE:
+                _copy(cache_ptr, rows, ropes.index(t), KV_LORA_RANK, ROPE_W, WIDTH, ld)
+            async_copy.mbarrier_arrive(landed.index(t), increment_count=False)
+
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([BLOCK_H], gl.float32, layout=row_o)
+    o = gl.zeros([BLOCK_H, HALF], gl.float32, layout=o_layout)
+    # Turns: warpgroup 0 starts with tile 0 alone; the last turn may be the other's last tile.
+    first = ROLE
+    if ROLE == 0:
+        if num_tiles > 0:
+            m_i, l_i, o = _step(num_tiles >> 30, False, True, ROLE, m_i, l_i, o, q_rope,
+                                cache_ptr, table_row, scale, start, end, num_tiles, q_smem,
+                                tiles, ropes, probs, st_max, st_alpha, st_sum, landed, handed,
+                                KV_LORA_RANK, WIDTH, PAGE, BLOCK_H, TILE)
+        first = 2
+    for u in range(first, num_tiles, 2):
+        m_i, l_i, o = _step(u, True, True, ROLE, m_i, l_i, o, q_rope, cache_ptr, table_row,
+                            scale, start, end, num_tiles, q_smem, tiles, ropes, probs, st_max,
+                            st_alpha, st_sum, landed, handed, KV_LORA_RANK, WIDTH, PAGE,
+                            BLOCK_H, TILE)
+    if (num_tiles > 0) & (num_tiles % 2 == ROLE):
+        m_i, l_i, o = _step(num_tiles, True, False, ROLE, m_i, l_i, o, q_rope, cache_ptr,
+                            table_row, scale, start, end, num_tiles, q_smem, tiles, ropes, probs,
+                            st_max, st_alpha, st_sum, landed, handed, KV_LORA_RANK, WIDTH, PAGE,
+                            BLOCK_H, TILE)
+
+    heads_o = head0 + gl.arange(0, BLOCK_H, layout=row_o)
+    cols_o = ROLE * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
+    if gl.num_programs(1) == 1:
+        # An empty context (padding row) has l_i == 0 and o == 0: store zeros, not NaN.
+        o = o / gl.maximum(l_i, 1e-30)[:, None]
+    out = (acc_ptr + req * stride_at + heads_o.to(gl.int64)[:, None] * stride_ah
+           + split * stride_as + cols_o[None, :])
+    gl.store(out, o.to(acc_ptr.dtype.element_ty),
+             mask=(heads_o < num_heads)[:, None] & (cols_o < KV_LORA_RANK)[None, :])
+    if ROLE == 0:
+        stats = stats_ptr + req * stride_st + heads_o * stride_sh + split
+        gl.store(stats, gl.convert_layout(m_i, row_o), mask=heads_o < num_heads)
+        gl.store(stats + stride_s0, l_i, mask=heads_o < num_heads)
 
 
 @gluon.jit
@@ -76,106 +223,63 @@ def mla_decode_partials_sm90(
 ):
     """One program: ``BLOCK_H`` heads (``program_id(0)``) of request ``program_id(2)`` over
     one split (``program_id(1)``) of its context, cut as the Triton kernel cuts it; the whole
-    latent output per program. Arguments (shapes, dtypes, units) and outputs as
-    ``triton_mla_kernel.mla_decode_partials``'s, which ``mla_decode`` launches the same way."""
+    latent output per program. Launched with ``LAUNCH_WARPS`` warps. Arguments (shapes, dtypes,
+    units) and outputs as ``triton_mla_kernel.mla_decode_partials``'s, which ``mla_decode``
+    launches the same way."""
     ROPE_W: gl.constexpr = WIDTH - KV_LORA_RANK
-    # Scores: warps [4, 2], each warpgroup 64 heads x BLOCK_N / 2 tokens. Output: each
-    # warpgroup 64 heads x KV_LORA_RANK / 2 columns.
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, KV_LORA_RANK // 2, 16])
+    TILE: gl.constexpr = BLOCK_N // 2
     smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
                                               rank=2)
-    # Copies: 16 bytes a thread, a warp over 2 rows x 128 columns (latent) or 4 x 64 (rope).
-    ld_c: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])
-    ld_r: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
-
+    p_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * TILE,
+                                                element_bitwidth=16, rank=2)
+    vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    ld_q: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     head0 = gl.program_id(0) * BLOCK_H
     split = gl.program_id(1)
     req = gl.program_id(2)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
 
-    # The query block, into shared memory (rows past num_heads are zeros).
-    hq_c = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_c))
-    cols_c = gl.arange(0, KV_LORA_RANK, layout=gl.SliceLayout(0, ld_c))
-    q_rows_c = q_ptr + req * stride_qt + hq_c.to(gl.int64)[:, None] * stride_qh
-    q_c = gl.load(q_rows_c + cols_c[None, :],
-                  mask=(hq_c < num_heads)[:, None] & (cols_c < KV_LORA_RANK)[None, :],
-                  other=0.0)
-    hq_r = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_r))
-    cols_r = gl.arange(0, ROPE_W, layout=gl.SliceLayout(0, ld_r))
-    q_rows_r = q_ptr + req * stride_qt + hq_r.to(gl.int64)[:, None] * stride_qh
-    q_r = gl.load(q_rows_r + KV_LORA_RANK + cols_r[None, :],
-                  mask=(hq_r < num_heads)[:, None] & (cols_r < ROPE_W)[None, :], other=0.0)
-    qc_s = gl.allocate_shared_memory(dtype, [BLOCK_H, KV_LORA_RANK], smem, value=q_c)
-    qr_s = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE_W], smem, value=q_r)
-    c_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, KV_LORA_RANK], smem)
-    r_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE_W], smem)
-    p_s = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], smem)
+    # The query's latent part, into shared memory (rows past num_heads are zeros).
+    hq = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_q))
+    cq = gl.arange(0, KV_LORA_RANK, layout=gl.SliceLayout(0, ld_q))
+    q_c = gl.load(q_ptr + req * stride_qt + hq.to(gl.int64)[:, None] * stride_qh + cq[None, :],
+                  mask=(hq < num_heads)[:, None] & (cq < KV_LORA_RANK)[None, :], other=0.0)
+    q_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, KV_LORA_RANK], smem)
+    q_smem.index(0).store(q_c)
+    tiles = gl.allocate_shared_memory(dtype, [4, TILE, KV_LORA_RANK], smem)
+    ropes = gl.allocate_shared_memory(dtype, [4, TILE, ROPE_W], smem)
+    probs = gl.allocate_shared_memory(dtype, [4, BLOCK_H, TILE], p_smem)
+    st_max = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], vec)
+    st_alpha = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], vec)
+    st_sum = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], vec)
+    # landed[b]: tile buffer b is full (every thread's copies); handed[s]: a tile's
+    # probabilities and row statistics are in slot s (one arrival, after the partition's
+    # stores).
+    landed = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    handed = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(4):
+        mbarrier.init(landed.index(i), count=8 * 32)
+    for i in gl.static_range(2):
+        mbarrier.init(handed.index(i), count=1)
+    fence_async_shared()
 
-    # int32 whatever the lengths' dtype (mixed batches pass int64): the tile index picks a
-    # shared-memory buffer, which takes an int32 index.
+    # int32 whatever the lengths' dtype (mixed batches pass int64).
     seq_len = gl.load(seq_lens_ptr + req).to(gl.int32)
     per_split = gl.cdiv(gl.cdiv(seq_len, gl.num_programs(1)), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = gl.minimum(start + per_split, seq_len)
-    num_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+    num_tiles = gl.cdiv(gl.maximum(end - start, 0), TILE)
     table_row = block_table_ptr + req * stride_bt
-
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-    # Each thread's share of the softmax sums, rescaled with the maxima and reduced over the
-    # warps once, after the loop (a reduction across the warpgroups costs shared memory and a
-    # barrier a tile).
-    l_part = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
-    o = gl.zeros([BLOCK_H, KV_LORA_RANK], gl.float32, layout=o_layout)
-    fence_async_shared()
-    if num_tiles > 0:
-        _copy_tile(cache_ptr, table_row, start, end - 1, c_bufs.index(0), r_bufs.index(0),
-                   KV_LORA_RANK, WIDTH, PAGE, BLOCK_N, ld_c, ld_r)
-    for t in range(0, num_tiles):
-        stage = t % 2
-        async_copy.wait_group(0)
-        # Every thread's copies of tile t have landed, and every warp is past the previous
-        # tile's value product: the other buffer and p_s are free.
-        _cta_barrier()
-        fence_async_shared()
-        if t + 1 < num_tiles:
-            _copy_tile(cache_ptr, table_row, start + (t + 1) * BLOCK_N, end - 1,
-                       c_bufs.index(1 - stage), r_bufs.index(1 - stage),
-                       KV_LORA_RANK, WIDTH, PAGE, BLOCK_N, ld_c, ld_r)
-        c_t = c_bufs.index(stage)
-        r_t = r_bufs.index(stage)
-        s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
-        s = warpgroup_mma(qc_s, c_t.permute((1, 0)), s, use_acc=False, is_async=True)
-        s = warpgroup_mma(qr_s, r_t.permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
-        pos = start + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        s = gl.where((pos < end)[None, :], s * scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))
-        p = gl.exp2(s - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
-        l_part = l_part * alpha[:, None] + p
-        m_i = m_new
-        p_s.store(p.to(dtype))
-        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        fence_async_shared()
-        _cta_barrier()  # both warpgroups' probabilities are in p_s
-        o = warpgroup_mma(p_s, c_t, o, is_async=True)
-        o = warpgroup_mma_wait(num_outstanding=0, deps=[o])
-    l_i = gl.sum(l_part, 1)
-
-    heads_o = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))
-    cols_o = gl.arange(0, KV_LORA_RANK, layout=gl.SliceLayout(0, o_layout))
-    if gl.num_programs(1) == 1:
-        # An empty context (padding row) has l_i == 0 and o == 0: store zeros, not NaN.
-        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-        o = o / gl.maximum(l_o, 1e-30)[:, None]
-    out = (acc_ptr + req * stride_at + heads_o.to(gl.int64)[:, None] * stride_ah
-           + split * stride_as + cols_o[None, :])
-    gl.store(out, o.to(acc_ptr.dtype.element_ty),
-             mask=(heads_o < num_heads)[:, None] & (cols_o < KV_LORA_RANK)[None, :])
-    heads_s = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_layout))
-    stats = stats_ptr + req * stride_st + heads_s * stride_sh + split
-    gl.store(stats, m_i, mask=heads_s < num_heads)
-    gl.store(stats + stride_s0, l_i, mask=heads_s < num_heads)
+    # Registers: each warpgroup keeps 64 x 256 float32 of output; setmaxnreg gives both the
+    # whole register file (256 a thread).
+    gl.warp_specialize([
+        (_warpgroup, (0, q_ptr, cache_ptr, table_row, acc_ptr, stats_ptr, req, split, head0,
+                      scale, start, end, num_tiles, stride_qt, stride_qh, stride_at, stride_ah,
+                      stride_as, stride_s0, stride_st, stride_sh, num_heads, q_smem, tiles,
+                      ropes, probs, st_max, st_alpha, st_sum, landed, handed, KV_LORA_RANK,
+                      WIDTH, PAGE, BLOCK_H, TILE)),
+        (_warpgroup, (1, q_ptr, cache_ptr, table_row, acc_ptr, stats_ptr, req, split, head0,
+                      scale, start, end, num_tiles, stride_qt, stride_qh, stride_at, stride_ah,
+                      stride_as, stride_s0, stride_st, stride_sh, num_heads, q_smem, tiles,
+                      ropes, probs, st_max, st_alpha, st_sum, landed, handed, KV_LORA_RANK,
+                      WIDTH, PAGE, BLOCK_H, TILE))], [4], [256])

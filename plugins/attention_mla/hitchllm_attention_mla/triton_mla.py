@@ -85,7 +85,9 @@ LARGE_SMEM_BYTES = 216 * 1024
 SMALL_SMEM_TILES = MLADecodeTiles(block_h=16, block_n=32, block_o=512, num_warps=4,
                                   num_stages=2)
 #: Hopper (sm_90) at DeepSeek's latent dims: the Gluon kernel (its docstring says why),
-#: same tiles as LARGE_SMEM_TILES.
+#: selected with the tiles of LARGE_SMEM_TILES (the Triton kernel runs them where the Gluon
+#: kernel cannot build); it cuts splits at ``block_n`` tokens like the Triton kernel and runs
+#: two warpgroups over 32-token tiles inside them.
 HOPPER_TILES = dataclasses.replace(LARGE_SMEM_TILES, kernel="gluon_sm90")
 
 
@@ -211,7 +213,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     dims = {"KV_LORA_RANK": kv_lora_rank, "WIDTH": width, "PAGE": kv_cache.shape[1],
             "BLOCK_H": tiles.block_h, "BLOCK_N": tiles.block_n}
     if not (_gluon_takes(q, kv_cache, seq_lens, kv_lora_rank, tiles)
-            and _launch_gluon((head_blocks, num_splits, n), args, dims, tiles.num_warps)):
+            and _launch_gluon((head_blocks, num_splits, n), args, dims)):
         mla_decode_partials[(head_blocks * (block_l // block_o), num_splits, n)](
             *args, **dims, BLOCK_L=block_l, BLOCK_R=_next_pow2(width - kv_lora_rank),
             BLOCK_O=block_o, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
@@ -226,8 +228,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     return out
 
 
-def _launch_gluon(grid: tuple[int, int, int], args: tuple, dims: dict[str, int],
-                  num_warps: int) -> bool:
+def _launch_gluon(grid: tuple[int, int, int], args: tuple, dims: dict[str, int]) -> bool:
     """Launch the Hopper kernel; False (and a warning) when this Triton cannot build or load
     it for this specialization (a compile, ptxas or MLIR pass error, or too many resources),
     so the caller runs the Triton kernel instead. Those errors come before the launch, so a
@@ -235,7 +236,8 @@ def _launch_gluon(grid: tuple[int, int, int], args: tuple, dims: dict[str, int],
     from triton.errors import TritonError
 
     try:
-        _gluon_module().mla_decode_partials_sm90[grid](*args, **dims, num_warps=num_warps)
+        g = _gluon_module()
+        g.mla_decode_partials_sm90[grid](*args, **dims, num_warps=g.LAUNCH_WARPS)
     except (TritonError, RuntimeError) as exc:
         lengths, page = args[3].dtype, dims["PAGE"]
         _gluon_failed.add((lengths, page))
