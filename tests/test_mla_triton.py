@@ -16,7 +16,7 @@ from test_models_hf_parity import mixed_prompts, run
 pytest.importorskip("triton")
 pytest.importorskip("hitchllm_attention_mla")
 
-from hitchllm import LLM
+from hitchllm import LLM, SamplingParams
 from hitchllm.attention import AttentionSpec
 from hitchllm_attention_mla.triton_mla import (
     LARGE_SMEM_TILES,
@@ -129,7 +129,7 @@ def test_h100_decode_kernels_on_gpu(kernel, heads, num_splits):
         pytest.skip(f"the H100 tiles need {tm.LARGE_SMEM_BYTES} bytes of shared memory")
     tiles = dataclasses.replace(LARGE_SMEM_TILES, kernel=kernel)
     seq_lens = [0, 1, 63, 64, 65, 700, 2049]
-    # int32 lengths as decode batches pass them, int64 as mixed batches do.
+    # int32 lengths as the engine passes them, int64 as mla_decode takes them too.
     for block_size, lengths_dtype in ((16, torch.int32), (64, torch.int64)):
         q, cache, table, lens = random_case(heads, 512, 64, seq_lens, block_size,
                                             torch.bfloat16, "cuda", seed=block_size)
@@ -215,3 +215,45 @@ def test_hopper_kernel_needs_its_gluon(monkeypatch):
                       tiles=dataclasses.replace(tiles, kernel="triton"))
     torch.testing.assert_close(mla_decode(q, cache, table, lens, 0.1, 512, 20, tiles=tiles),
                                want, rtol=0, atol=0)
+
+
+def test_an_engine_run_launches_one_hopper_kernel_specialization(monkeypatch, tmp_path):
+    """Every launch of the Hopper kernel in an engine run (decode batches of many sizes, so
+    many split counts, and the decodes of mixed steps) falls in one of Triton's launch
+    specializations, so a run never stops to build it again (seconds each on a GPU host):
+    lengths are int32 in both kinds of step, and the arguments that follow the batch shape
+    are not specialized. Triton specializes an integer argument on being 1 or a multiple of
+    16 and a tensor on its dtype and 16-byte alignment, unless the kernel says not to. The
+    launch is recorded and declined, so the Triton kernel runs in the interpreter."""
+    import hitchllm_attention_mla.triton_mla as tm
+    from hitchllm_attention_mla.gluon_mla_kernel import mla_decode_partials_sm90 as kernel
+
+    specialized = [not p.do_not_specialize for p in kernel.params if not p.is_constexpr]
+    keys, shapes = set(), set()
+
+    def record(grid, args, dims, *rest):
+        def kind(value):
+            if isinstance(value, torch.Tensor):
+                return value.dtype, value.data_ptr() % 16 == 0
+            if isinstance(value, int):
+                return value == 1, value % 16 == 0
+            return type(value)
+
+        assert len(args) == len(specialized)
+        keys.add(tuple(kind(a) for a, s in zip(args, specialized, strict=True) if s))
+        shapes.add(grid[1:])
+        return False
+
+    monkeypatch.setattr(tm, "_gluon_takes", lambda *args: True)
+    monkeypatch.setattr(tm, "_launch_gluon", record)
+    arch, overrides = CONFIGS["v2-yarn"]
+    path = build_tiny_deepseek(tmp_path / "v2", arch, seed=2, **overrides)
+    llm = LLM(path, block_size=16, attention_backend="TRITON_MLA", max_num_batched_tokens=48,
+              max_num_seqs=8)
+    prompts = mixed_prompts(5, lengths=(3, 20, 45, 70, 9, 33))
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+              for m in (24, 3, 17, 9, 30, 12)]
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    splits, sizes = {s for s, _ in shapes}, {n for _, n in shapes}
+    assert len(splits) >= 3 and len(sizes) >= 4, shapes  # the run met many batch shapes
+    assert len(keys) == 1, keys

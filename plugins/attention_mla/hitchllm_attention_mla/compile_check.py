@@ -47,15 +47,16 @@ def compile_decode(tiles: MLADecodeTiles, capability: int, page: int = 64):
 
 def compile_decode_gluon(page: int = 64, lengths: str = "*i32", acc: str = "*fp32"):
     """The Hopper (sm_90) Gluon decode kernel for bf16 queries and cache, context lengths of
-    type ``lengths`` (decode batches pass int32, mixed batches int64) and partial outputs of
-    type ``acc`` (float32 with splits, the model dtype with one)."""
+    type ``lengths`` (the engine passes int32; ``mla_decode`` takes int64 too) and partial
+    outputs of type ``acc`` (float32 with splits, the model dtype with one), specialized as a
+    launch specializes it (the row statistics' strides not at all)."""
     from hitchllm_attention_mla import gluon_mla_kernel as g
 
     kernel = g.mla_decode_partials_sm90
     constexprs = {"KV_LORA_RANK": KV_LORA_RANK, "WIDTH": KV_LORA_RANK + ROPE, "PAGE": page,
                   "BLOCK_H": g.BLOCK_H, "BLOCK_N": g.BLOCK_N}
     types = DECODE_TYPES | {"seq_lens_ptr": lengths, "acc_ptr": acc}
-    aligned = set(kernel.arg_names) - {"scale"}
+    aligned = set(kernel.arg_names) - {"scale", *g.UNSPECIALIZED}
     return compile_for_gpu(kernel, constexprs, types, aligned, g.LAUNCH_WARPS, 1, 90)
 
 

@@ -213,7 +213,14 @@ def _warpgroup(ROLE: gl.constexpr, q_ptr, cache_ptr, table_row, acc_ptr, stats_p
         gl.store(stats + stride_s0, l_i, mask=heads_o < num_heads)
 
 
-@gluon.jit
+#: Arguments Triton must not specialize on: the row statistics' strides follow the number of
+#: splits, which follows the batch, so specializing on them (a value of 1, a multiple of 16)
+#: would build this kernel (seconds each; 8-9 s on an H100 host) again for new batch shapes in
+#: the middle of a run. Its few stores do not need their alignment.
+UNSPECIALIZED = ("stride_s0", "stride_st", "stride_sh")
+
+
+@gluon.jit(do_not_specialize=UNSPECIALIZED)
 def mla_decode_partials_sm90(
     q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, acc_ptr, stats_ptr, scale,
     stride_qt, stride_qh, stride_bt, stride_at, stride_ah, stride_as,
@@ -263,7 +270,7 @@ def mla_decode_partials_sm90(
         mbarrier.init(handed.index(i), count=1)
     fence_async_shared()
 
-    # int32 whatever the lengths' dtype (mixed batches pass int64).
+    # int32 whatever the lengths' dtype (the engine passes int32, mla_decode takes int64).
     seq_len = gl.load(seq_lens_ptr + req).to(gl.int32)
     per_split = gl.cdiv(gl.cdiv(seq_len, gl.num_programs(1)), BLOCK_N) * BLOCK_N
     start = split * per_split

@@ -281,7 +281,12 @@ class TritonMLAMetadataBuilder(TorchAttentionMetadataBuilder):
                 raise ValueError("TRITON_MLA captures only uniform decode batches (one new "
                                  f"token per request); got max_query_len "
                                  f"{common.max_query_len} in a CUDA-graph batch")
-            return super().build(common)
+            metadata = super().build(common)
+            if metadata.batched is not None:
+                # int32 like a decode batch's, so the decode kernel's launch is one of the
+                # specializations the graph capture built (int64 would build another).
+                metadata.batched.seq_lens = metadata.batched.seq_lens.int()
+            return metadata
         n = common.num_reqs
         return TritonMLADecodeMetadata(
             slot_mapping=common.slot_mapping[: common.num_actual_tokens],
