@@ -46,7 +46,7 @@ HERE = Path(__file__).resolve().parent
 SECTION = "## Where a whole run's time goes (issue 21 point 2, benchmarks/run_breakdown.py)"
 DECODE_EDGES = (192, 128, 64, 32, 16, 1)
 KERNEL_CATEGORIES = (  # first match wins; matched against the kernel's name
-    ("attention", r"paged_attention|merge_splits|attn|fmha|flash"),
+    ("attention", r"paged_attention|merge_splits|mla_decode|attn|fmha|flash"),
     ("KV cache write", r"write_kv|reshape_and_cache|kv_cache"),
     ("GEMM", r"gemm|nvjet|cutlass|xmma|cublas|matmul|sm90_|sm80_"),
     ("fused elementwise (compiled)", r"^triton_|fused"),
