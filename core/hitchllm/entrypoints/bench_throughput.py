@@ -131,6 +131,8 @@ def run_hitchllm(llm, work: Workload, profile: Path | None, repeat: int = 1,
             prof.export_chrome_trace(str(profile))
         _sync(llm.engine.device)
         times.append(time.perf_counter() - start)
+        if repeat > 1:  # every run, so a first run slowed by one-time work shows
+            print(f"timed run {len(times)} of {repeat}: {times[-1]:.2f} s", file=sys.stderr)
         produced = sum(len(o.outputs[0].token_ids) for o in outs)
         if produced != work.output_tokens:
             raise RuntimeError(f"expected {work.output_tokens} output tokens, got {produced}")
@@ -188,6 +190,8 @@ def run_hf(model_path: str, work: Workload, dtype: torch.dtype, device: torch.de
             generate(work.prompts[chunk], max(work.output_lens[chunk]))
         _sync(device)
         times.append(time.perf_counter() - start)
+        if repeat > 1:  # every run, so a first run slowed by one-time work shows
+            print(f"timed run {len(times)} of {repeat}: {times[-1]:.2f} s", file=sys.stderr)
     return min(times)
 
 
