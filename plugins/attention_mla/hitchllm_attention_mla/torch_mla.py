@@ -15,6 +15,7 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hitchllm.attention import (
     AttentionBackend,
@@ -50,6 +51,12 @@ def mla_reasons(spec: AttentionSpec, backend: str) -> list[str]:
     if spec.logits_soft_cap is not None:
         reasons.append("logits soft-capping is not supported with MLA")
     return reasons
+
+
+#: SDPA's kernels for a prompt's attention: not cuDNN's, which builds a plan for every new
+#: (query, context) shape the first time it meets it, so every new prompt length paid that
+#: (35% of a DeepSeek-V2-Lite run's first pass on an H100, none of its second).
+PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class TorchMLAImpl(MLAAttentionImpl):
@@ -98,12 +105,13 @@ class TorchMLAImpl(MLAAttentionImpl):
         k, v = self.expand(latent[:, : d.kv_lora_rank], latent[:, d.kv_lora_rank:])
         q = query[rows].transpose(0, 1)[None]  # [1, heads, q_len, qk]
         k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-        if p.context_len == 0:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-        else:  # causal with the cached prefix as offset (SDPA's is_causal aligns top-left)
-            qpos = p.context_len + torch.arange(p.query_len, device=q.device)[:, None]
-            allowed = torch.arange(seq_len, device=q.device)[None, :] <= qpos
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale)
+        with sdpa_kernel(PREFILL_SDPA):
+            if p.context_len == 0:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+            else:  # causal with the cached prefix as offset (SDPA's is_causal aligns top-left)
+                qpos = p.context_len + torch.arange(p.query_len, device=q.device)[:, None]
+                allowed = torch.arange(seq_len, device=q.device)[None, :] <= qpos
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale)
         out[rows] = o[0].transpose(0, 1)
 
     def _attend_absorbed(self, query: torch.Tensor, kv_cache: torch.Tensor, b: BatchedRequests
