@@ -176,6 +176,22 @@ class KVTransferScheduling:
 
     # ---- the plan ------------------------------------------------------------------------
 
+    def requeue(self, plan: StepPlan) -> None:
+        """``plan`` never reached the runner (the step before it failed while it waited): its
+        loads, finishes and cancels go out with the next plan, ahead of those planned since,
+        so no request runs as loaded without its KV copied in and no load waits for its
+        timeout. A request preempted meanwhile drops its finish (``forget``), and a load is
+        sent only while its request still waits for it (``fill_plan``). Its saves cannot go
+        again (their blocks were freed when it was filled): their consumers compute the
+        prompts themselves once ``kv_load_timeout_s`` passes."""
+        self._loads[:0] = plan.kv_loads
+        self._finishes[:0] = plan.kv_load_finishes
+        self._cancels[:0] = plan.kv_load_cancels
+        for save in plan.kv_saves:
+            logger.warning("request %s: its KV save was dropped with a failed step; its "
+                           "consumer will compute the prompt", save.request_id)
+            self._saving.pop(save.request_id, None)
+
     def fill_plan(self, plan: StepPlan) -> None:
         """Move the planned transfers into ``plan`` and free the blocks of
         the requests saved by it (the runner copies them out before any later step runs)."""
@@ -189,6 +205,7 @@ class KVTransferScheduling:
             self.kv_cache.free(request)
             self._saving[request.request_id] = self.clock() + self.config.kv_load_timeout_s
         plan.kv_saves, self._saves = saves, []
-        plan.kv_loads, self._loads = self._loads, []
+        plan.kv_loads = [load for load in self._loads if load.request_id in self.receiving]
+        self._loads = []
         plan.kv_load_finishes, self._finishes = self._finishes, []
         plan.kv_load_cancels, self._cancels = self._cancels, []

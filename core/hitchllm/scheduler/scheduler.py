@@ -483,9 +483,13 @@ class Scheduler:
         """``plan`` was dropped before the runner saw it (a step in flight failed while it
         waited): the finished and preempted requests it reported go out with the next plan,
         so the runner still drops their state. Its scheduled requests are recomputed
-        (``quarantine``'s bystanders; ``uncache_unwritten`` first)."""
+        (``quarantine``'s bystanders; ``uncache_unwritten`` first). Its KV transfers go out
+        with the next plan too (``KVTransferScheduling.requeue``): call this before
+        ``quarantine``, whose preemptions drop those of the requests it preempts."""
         self._preempted[:0] = plan.preempted_ids
         self._finished[:0] = plan.finished_ids
+        if self.kv_transfer is not None:
+            self.kv_transfer.requeue(plan)
 
     @property
     def num_suspects(self) -> int:
