@@ -80,7 +80,7 @@ def test_failing_request_is_isolated_and_others_match_a_clean_run(
     assert texts(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == clean
 
 
-@pytest.mark.parametrize("where", ["sampling", "forward"])
+@pytest.mark.parametrize("where", ["sampling", "forward", "launch"])
 @pytest.mark.parametrize("bad", [{"r1"}, {"r0", "r1", "r4"}])
 def test_a_plan_waiting_for_a_failing_step_is_dropped_cleanly(llama_path, monkeypatch, bad,
                                                                where):
@@ -88,7 +88,9 @@ def test_a_plan_waiting_for_a_failing_step_is_dropped_cleanly(llama_path, monkey
     next): when that step fails, the waiting plan never reaches the runner. Its requests are
     recomputed (the blocks it was to write leave the prefix cache) and the ids it reported go
     out with the next plan; before, the requests it admitted ran later as if the runner knew
-    them (KeyError) and were ended as failed."""
+    them (KeyError) and were ended as failed. A plan whose own launch fails was handed to the
+    executor, which may have acted on it (its KV transfers come first): it is never sent
+    again (a KV load finished twice raises in the connector)."""
     llm = LLM(llama_path, block_size=4, num_kv_blocks=256, max_model_len=128, max_num_seqs=2)
     params = SamplingParams(temperature=0, max_tokens=6, min_tokens=6)
     clean = texts(llm.generate(PROMPTS, params, use_tqdm=False))
@@ -103,9 +105,23 @@ def test_a_plan_waiting_for_a_failing_step_is_dropped_cleanly(llama_path, monkey
         return any(rid in bad and new == 1 and computed > 0 for rid, new, computed in zip(
             plan.request_ids, plan.num_scheduled_tokens, plan.num_computed_tokens))
 
+    seen = []  # every plan handed to the executor
+    execute = engine.executor.execute_model
+    requeue = engine.scheduler.requeue_unsent
+
     def recording_launch(plan):
         planned[:] = [plan]
         return launch(plan)
+
+    def handing(plan):  # the executor may act on a plan before its launch fails
+        seen.append(plan)
+        if where == "launch" and fails(plan):
+            raise RuntimeError("injected failure")
+        return execute(plan)
+
+    def checked_requeue(plan):  # only a plan the executor never saw goes out again
+        assert all(plan is not p for p in seen), "a plan handed to the executor was requeued"
+        return requeue(plan)
 
     def failing_forward(*args):  # before any K/V of the step is written
         if where == "forward" and fails(planned[0]):
@@ -118,6 +134,8 @@ def test_a_plan_waiting_for_a_failing_step_is_dropped_cleanly(llama_path, monkey
         return sample_step(plan, *args)
 
     monkeypatch.setattr(runner, "_launch", recording_launch)
+    monkeypatch.setattr(engine.executor, "execute_model", handing)
+    monkeypatch.setattr(engine.scheduler, "requeue_unsent", checked_requeue)
     monkeypatch.setattr(runner, "_eager_forward", failing_forward)
     monkeypatch.setattr(runner, "_sample_step", failing_sampling)
     for i, p in enumerate(PROMPTS):

@@ -232,15 +232,15 @@ def test_an_engine_run_launches_one_hopper_kernel_specialization(monkeypatch, tm
     keys, shapes = set(), set()
 
     def record(grid, args, dims, *rest):
-        def kind(value):
+        def kind(value, specialize: bool):
             if isinstance(value, torch.Tensor):
                 return value.dtype, value.data_ptr() % 16 == 0
-            if isinstance(value, int):
-                return value == 1, value % 16 == 0
+            if isinstance(value, int):  # its type (i32 or i64) always counts
+                wide = value.bit_length() > 31
+                return (wide, value == 1, value % 16 == 0) if specialize else wide
             return type(value)
 
-        assert len(args) == len(specialized)
-        keys.add(tuple(kind(a) for a, s in zip(args, specialized, strict=True) if s))
+        keys.add(tuple(kind(a, s) for a, s in zip(args, specialized, strict=True)))
         shapes.add(grid[1:])
         return False
 

@@ -702,8 +702,11 @@ class LLMEngine:
             if not plan.has_kv_transfers:
                 time.sleep(KV_POLL_INTERVAL_S)  # nothing to run until KV arrives
         work.running, work.plan = requests, plan
+        # From here the runner may act on the plan (its KV transfers first), even should the
+        # launch fail: it is not requeued as unsent then.
+        work.sent = True
         launched = self._launch(plan, requests)
-        work.launched, work.launched_plan, work.sent = requests, plan, True
+        work.launched, work.launched_plan = requests, plan
         if self._in_flight:
             outputs += self._complete_in_flight(work)
         work.running, work.plan = requests, plan

@@ -180,10 +180,12 @@ class KVTransferScheduling:
         """``plan`` never reached the runner (the step before it failed while it waited): its
         loads, finishes and cancels go out with the next plan, ahead of those planned since,
         so no request runs as loaded without its KV copied in and no load waits for its
-        timeout. A request preempted meanwhile drops its finish (``forget``), and a load is
-        sent only while its request still waits for it (``fill_plan``). Its saves cannot go
-        again (their blocks were freed when it was filled): their consumers compute the
-        prompts themselves once ``kv_load_timeout_s`` passes."""
+        timeout. A request preempted meanwhile drops its finish (``forget``; one the dropped
+        plan scheduled is preempted by ``quarantine`` and computes its prompt, its arrived KV
+        unused), and a load is sent only while its request still waits for it
+        (``fill_plan``). Its saves cannot go again (their blocks were freed when it was
+        filled): their consumers compute the prompts themselves once ``kv_load_timeout_s``
+        passes."""
         self._loads[:0] = plan.kv_loads
         self._finishes[:0] = plan.kv_load_finishes
         self._cancels[:0] = plan.kv_load_cancels

@@ -283,8 +283,8 @@ class TritonMLAMetadataBuilder(TorchAttentionMetadataBuilder):
                                  f"{common.max_query_len} in a CUDA-graph batch")
             metadata = super().build(common)
             if metadata.batched is not None:
-                # int32 like a decode batch's, so the decode kernel's launch is one of the
-                # specializations the graph capture built (int64 would build another).
+                # int32 like a decode batch's, so the decode kernel's launch shares a decode
+                # batch's specialization (int64 would build another, seconds on a GPU host).
                 metadata.batched.seq_lens = metadata.batched.seq_lens.int()
             return metadata
         n = common.num_reqs
