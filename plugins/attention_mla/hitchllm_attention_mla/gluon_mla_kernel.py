@@ -48,6 +48,18 @@ BLOCK_H, BLOCK_N, NUM_WARPS, ROPE = 64, 64, 8, 64
 LAUNCH_WARPS = 4
 
 
+#: The layout tiles are loaded through (each thread 8 consecutive values of a row).
+LOAD_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
+
+
+@gluon.constexpr_function
+def mma_layout(columns):
+    """One warpgroup's wgmma accumulator layout for 64 rows and ``columns`` columns (the
+    scores of a tile, or its half of the output)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                     instr_shape=[16, columns, 16])
+
+
 @gluon.jit
 def _rows(table_row, first, last, TILE: gl.constexpr, PAGE: gl.constexpr,
           layout: gl.constexpr):
@@ -75,11 +87,9 @@ def _step(u, HAS_OTHER: gl.constexpr, HAS_OWN: gl.constexpr, ROLE: gl.constexpr,
     and its own tile ``u`` (``HAS_OWN``). Returns the running maximum, sum and output half."""
     ROPE_W: gl.constexpr = WIDTH - KV_LORA_RANK
     HALF: gl.constexpr = KV_LORA_RANK // 2
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TILE, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
-    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    s_layout: gl.constexpr = mma_layout(TILE)
+    o_layout: gl.constexpr = mma_layout(HALF)
+    ld: gl.constexpr = LOAD_LAYOUT
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     v = u - 1
@@ -152,12 +162,10 @@ def _warpgroup(ROLE: gl.constexpr, q_ptr, cache_ptr, table_row, acc_ptr, stats_p
     its half of the output (and, for warpgroup 0, the row statistics)."""
     ROPE_W: gl.constexpr = WIDTH - KV_LORA_RANK
     HALF: gl.constexpr = KV_LORA_RANK // 2
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TILE, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
+    s_layout: gl.constexpr = mma_layout(TILE)
+    o_layout: gl.constexpr = mma_layout(HALF)
     q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
-    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    ld: gl.constexpr = LOAD_LAYOUT
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
