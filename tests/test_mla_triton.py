@@ -257,3 +257,24 @@ def test_an_engine_run_launches_one_hopper_kernel_specialization(monkeypatch, tm
     splits, sizes = {s for s, _ in shapes}, {n for _, n in shapes}
     assert len(splits) >= 3 and len(sizes) >= 4, shapes  # the run met many batch shapes
     assert len(keys) == 1, keys
+
+
+def test_prompt_attention_never_asks_cudnn(monkeypatch, tmp_path):
+    """The expanded prompt attention runs with cuDNN's SDPA kernel switched off: on an H100
+    it built a plan for every new prompt shape (86-134 ms each, a third of a fresh
+    DeepSeek-V2-Lite run). SDPA's backend switches are process-wide, so the CPU sees them."""
+    import hitchllm_attention_mla.torch_mla as tm
+
+    sdpa, calls = tm.F.scaled_dot_product_attention, []
+
+    def checked(*args, **kwargs):
+        calls.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(tm.F, "scaled_dot_product_attention", checked)
+    arch, overrides = CONFIGS["v2-yarn"]
+    path = build_tiny_deepseek(tmp_path / "v2", arch, seed=2, **overrides)
+    llm = LLM(path, block_size=16, attention_backend="TRITON_MLA", max_num_batched_tokens=32)
+    run(llm, mixed_prompts(4, lengths=(20, 45)), max_tokens=2)  # whole and chunked prompts
+    assert calls and not any(calls)
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored after the step

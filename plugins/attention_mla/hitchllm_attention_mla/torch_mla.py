@@ -68,8 +68,10 @@ class TorchMLAImpl(MLAAttentionImpl):
     ) -> torch.Tensor:
         self.write_latents(kv_cache, key[:, 0], metadata.slot_mapping)
         out = query.new_zeros(query.shape[0], self.dims.num_heads, self.dims.v_head_dim)
-        for p in metadata.prefills:
-            self._attend_prefill(query, kv_cache, metadata.block_table[p.row], p, out)
+        if metadata.prefills:
+            with sdpa_kernel(PREFILL_SDPA):  # once for the step's prompts, not per prompt
+                for p in metadata.prefills:
+                    self._attend_prefill(query, kv_cache, metadata.block_table[p.row], p, out)
         if metadata.batched is not None:
             b = metadata.batched
             out[b.token_idx] = self._attend_absorbed(query[b.token_idx], kv_cache, b)
@@ -105,13 +107,12 @@ class TorchMLAImpl(MLAAttentionImpl):
         k, v = self.expand(latent[:, : d.kv_lora_rank], latent[:, d.kv_lora_rank:])
         q = query[rows].transpose(0, 1)[None]  # [1, heads, q_len, qk]
         k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-        with sdpa_kernel(PREFILL_SDPA):
-            if p.context_len == 0:
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-            else:  # causal with the cached prefix as offset (SDPA's is_causal aligns top-left)
-                qpos = p.context_len + torch.arange(p.query_len, device=q.device)[:, None]
-                allowed = torch.arange(seq_len, device=q.device)[None, :] <= qpos
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale)
+        if p.context_len == 0:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        else:  # causal with the cached prefix as offset (SDPA's is_causal aligns top-left)
+            qpos = p.context_len + torch.arange(p.query_len, device=q.device)[:, None]
+            allowed = torch.arange(seq_len, device=q.device)[None, :] <= qpos
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale)
         out[rows] = o[0].transpose(0, 1)
 
     def _attend_absorbed(self, query: torch.Tensor, kv_cache: torch.Tensor, b: BatchedRequests
