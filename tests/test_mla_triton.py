@@ -145,6 +145,39 @@ def test_h100_decode_kernels_on_gpu(kernel, heads, num_splits):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["triton", "gluon_sm90"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_h100_decode_kernels_follow_a_growing_maximum(kernel, num_splits):
+    """Scores that grow along the context (latents scaled from 1/4 to 4 by position, scores
+    climbing some 30 powers of two), so the running maximum moves many times in the middle of
+    a split and in both of the Gluon kernel's warpgroups' tiles (it moves only past a slack,
+    and skips rescaling the output otherwise); and shrinking scores, where it never moves
+    after the first tile."""
+    import hitchllm_attention_mla.triton_mla as tm
+
+    if kernel == "gluon_sm90" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel is for sm_90 (Hopper)")
+    if torch.cuda.get_device_properties(0).shared_memory_per_block_optin < tm.LARGE_SMEM_BYTES:
+        pytest.skip(f"the H100 tiles need {tm.LARGE_SMEM_BYTES} bytes of shared memory")
+    tiles = dataclasses.replace(LARGE_SMEM_TILES, kernel=kernel)
+    seq_lens = [2000, 1500, 333]
+    q, cache, table, lens = random_case(128, 512, 64, seq_lens, 16, torch.bfloat16, "cuda")
+    for request, (n, grow) in enumerate(zip(seq_lens, (True, False, True))):
+        ramp = 16.0 ** (torch.arange(n, device="cuda") / n) / 4
+        ramp = ramp if grow else ramp.flip(0)
+        rows = table[request].long()[torch.arange(n, device="cuda") // 16] * 16 + torch.arange(
+            n, device="cuda") % 16
+        flat = cache.view(-1, cache.shape[-1])
+        flat[rows] = (flat[rows].float() * ramp[:, None]).to(cache.dtype)
+    scale = 192 ** -0.5
+    assert tm._gluon_takes(q, cache, lens, 512, tiles) == (kernel == "gluon_sm90")
+    out = mla_decode(q, cache, table, lens, scale, 512, max(seq_lens), num_splits=num_splits,
+                     tiles=tiles)
+    expected = reference_decode(q, cache, table, lens, scale, 512)
+    torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
 def test_deepseek_on_triton_mla_cuda_tracks_transformers(tmp_path):
     """bf16 on the GPU: rounding may flip a late near-tie; the first tokens must agree."""
     arch, overrides = CONFIGS["v2-yarn"]
