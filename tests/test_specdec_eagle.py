@@ -267,3 +267,34 @@ def test_head_cache_rolls_back_rejected_drafts():
     assert cache.positions == [0, 1, 2, 3]
     cache.roll_back([7, 8, 9, 10, 11, 12, 13], first_recomputed=5)
     assert cache.positions == [] and len(cache.keys) == 0
+
+
+def test_cached_rows_attention_matches_float64():
+    """A draft step's attention (each row's cached keys, padded to the longest row, plus its
+    new token) against float64 attention per row and head, over two steps (the second sees
+    the first's key), with grouped query heads."""
+    from hitchllm_specdec.eagle_head import CachedRows
+
+    gen = torch.Generator().manual_seed(0)
+    rows, length, heads, kv_heads, d = 3, 6, 8, 2, 16
+    keys = torch.randn(rows, length, kv_heads, d, generator=gen)
+    values = torch.randn(rows, length, kv_heads, d, generator=gen)
+    valid = torch.arange(length)[None, :] < torch.tensor([6, 3, 1])[:, None]
+    context = CachedRows(keys, values, valid)
+    seen_k = [[keys[i, valid[i]]] for i in range(rows)]
+    seen_v = [[values[i, valid[i]]] for i in range(rows)]
+    for _ in range(2):
+        q = torch.randn(rows, heads, d, generator=gen)
+        k = torch.randn(rows, kv_heads, d, generator=gen)
+        v = torch.randn(rows, kv_heads, d, generator=gen)
+        out = context.attend(q, k, v)
+        expected = torch.empty(rows, heads, d, dtype=torch.float64)
+        for i in range(rows):
+            seen_k[i].append(k[i][None])
+            seen_v[i].append(v[i][None])
+            row_k, row_v = torch.cat(seen_k[i]).double(), torch.cat(seen_v[i]).double()
+            for h in range(heads):
+                g = h // (heads // kv_heads)
+                probs = (row_k[:, g] @ q[i, h].double() / d**0.5).softmax(0)
+                expected[i, h] = probs @ row_v[:, g]
+        torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)

@@ -89,3 +89,22 @@ def test_sliding_window_and_soft_cap_match_reference():
 def test_half_precision_within_rounding():
     out, ref, _, _ = run_torch_backend("mixed", 8, 2, dtype=torch.bfloat16)
     torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_prompt_attention_never_asks_cudnn(monkeypatch):
+    """Prompts and chunks run SDPA with cuDNN's kernel switched off: on an H100 SDPA picked it
+    for GQA prompts and built a plan for every new prompt length (100-190 ms each). SDPA's
+    backend switches are process-wide, so the CPU sees them; they come back after the call."""
+    import hitchllm.attention.torch_backend as tb
+
+    sdpa, calls = tb.F.scaled_dot_product_attention, []
+
+    def checked(*args, **kwargs):
+        calls.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(tb.F, "scaled_dot_product_attention", checked)
+    out, ref, _, _ = run_torch_backend("mixed", 8, 2)  # whole prompts and chunks over a prefix
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    assert len(calls) == 2 and not any(calls)
+    assert torch.backends.cuda.cudnn_sdp_enabled()

@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import sdpa_kernel
 
 from hitchllm.attention import (
     AttentionBackend,
@@ -26,6 +26,7 @@ from hitchllm.attention import (
     KVCacheSpec,
 )
 from hitchllm.attention.torch_backend import (
+    SHAPE_STABLE_SDPA,
     BatchedRequests,
     PrefillRequest,
     TorchAttentionMetadata,
@@ -53,10 +54,6 @@ def mla_reasons(spec: AttentionSpec, backend: str) -> list[str]:
     return reasons
 
 
-#: SDPA's kernels for a prompt's attention: not cuDNN's, which builds a plan for every new
-#: (query, context) shape the first time it meets it, so every new prompt length paid that
-#: (35% of a DeepSeek-V2-Lite run's first pass on an H100, none of its second).
-PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class TorchMLAImpl(MLAAttentionImpl):
@@ -69,7 +66,9 @@ class TorchMLAImpl(MLAAttentionImpl):
         self.write_latents(kv_cache, key[:, 0], metadata.slot_mapping)
         out = query.new_zeros(query.shape[0], self.dims.num_heads, self.dims.v_head_dim)
         if metadata.prefills:
-            with sdpa_kernel(PREFILL_SDPA):  # once for the step's prompts, not per prompt
+            # Not cuDNN's SDPA (its per-shape plans were 35% of a fresh DeepSeek-V2-Lite
+            # run's first pass on an H100); entered once for the step's prompts.
+            with sdpa_kernel(SHAPE_STABLE_SDPA):
                 for p in metadata.prefills:
                     self._attend_prefill(query, kv_cache, metadata.block_table[p.row], p, out)
         if metadata.batched is not None:

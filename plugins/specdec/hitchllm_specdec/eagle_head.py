@@ -84,7 +84,10 @@ class CachedRows:
 
     ``keys``/``values`` [B, L, kv_heads, d] with ``valid`` [B, L] (rows are padded to one
     length); each ``attend`` appends the new token's key/value, so consecutive draft steps
-    see each other."""
+    see each other. The attention is two batched matmuls rather than SDPA: its key length
+    grows every draft step, and SDPA's cuDNN kernel (which it picks on an H100 for a masked
+    GQA call) builds a plan for every new shape (150 ms each there), while the kernels left
+    without cuDNN fall back to its slowest path for this mask."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -94,10 +97,14 @@ class CachedRows:
         self.keys = torch.cat([self.keys, k[:, None]], dim=1)
         self.values = torch.cat([self.values, v[:, None]], dim=1)
         self.valid = torch.cat([self.valid, self.valid.new_ones(len(q), 1)], dim=1)
-        out = F.scaled_dot_product_attention(
-            q[:, :, None], self.keys.transpose(1, 2), self.values.transpose(1, 2),
-            attn_mask=self.valid[:, None, None, :], enable_gqa=True)
-        return out[:, :, 0]
+        rows, heads, d = q.shape
+        kv_heads = self.keys.shape[2]
+        # [B, kv_heads, group, d]: the query heads that share a key/value head side by side.
+        grouped = q.view(rows, kv_heads, heads // kv_heads, d)
+        scores = (grouped @ self.keys.permute(0, 2, 3, 1)).float() * d**-0.5
+        scores = scores.masked_fill(~self.valid[:, None, None, :], float("-inf"))
+        probs = scores.softmax(-1).to(self.values.dtype)
+        return (probs @ self.values.transpose(1, 2)).view(rows, heads, d)
 
 
 class HeadAttention(nn.Module):
