@@ -5,7 +5,6 @@ transformers."""
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -305,9 +304,7 @@ def test_prompt_attention_never_asks_cudnn(monkeypatch, tmp_path):
         calls.append(torch.backends.cuda.cudnn_sdp_enabled())
         return sdpa(*args, **kwargs)
 
-    # A stand-in for the module's ``F`` (patching torch's own function would hide it from
-    # the causal bias, which dispatches on it).
-    monkeypatch.setattr(tm, "F", SimpleNamespace(scaled_dot_product_attention=checked))
+    monkeypatch.setattr(tm.F, "scaled_dot_product_attention", checked)
     arch, overrides = CONFIGS["v2-yarn"]
     path = build_tiny_deepseek(tmp_path / "v2", arch, seed=2, **overrides)
     llm = LLM(path, block_size=16, attention_backend="TRITON_MLA", max_num_batched_tokens=32)

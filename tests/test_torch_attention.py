@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from attention_reference import make_batch, reference_attention
@@ -105,9 +103,7 @@ def test_prompt_attention_never_asks_cudnn(monkeypatch):
         calls.append(torch.backends.cuda.cudnn_sdp_enabled())
         return sdpa(*args, **kwargs)
 
-    # A stand-in for the module's ``F`` (patching torch's own function would hide it from
-    # the causal bias, which dispatches on it).
-    monkeypatch.setattr(tb, "F", SimpleNamespace(scaled_dot_product_attention=checked))
+    monkeypatch.setattr(tb.F, "scaled_dot_product_attention", checked)
     out, ref, _, _ = run_torch_backend("mixed", 8, 2)  # whole prompts and chunks over a prefix
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     assert len(calls) == 2 and not any(calls)

@@ -20,7 +20,6 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 from hitchllm.attention.backend import (
     AttentionBackend,
@@ -218,16 +217,7 @@ class TorchAttentionImpl(AttentionImpl):
         if context_len == 0 and (window is None or window >= seq_len):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                                  enable_gqa=gqa)
-        elif window is None or window >= seq_len:
-            # Causal after a cached prefix (SDPA's is_causal aligns top-left): a lower-right
-            # causal bias, which flash and memory-efficient kernels take without a mask (the
-            # memory-efficient one ignores enable_gqa, so grouped heads are repeated).
-            if gqa:
-                group = self.num_heads // self.num_kv_heads
-                k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(
-                q_len, seq_len), scale=self.scale)
-        else:  # windowed, maybe after a prefix: a mask
+        else:  # causal with an offset (SDPA's is_causal aligns top-left), maybe windowed
             qpos = context_len + torch.arange(q_len, device=q.device)[:, None]
             kpos = torch.arange(seq_len, device=q.device)[None, :]
             allowed = kpos <= qpos

@@ -16,7 +16,6 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 from hitchllm.attention import (
     AttentionBackend,
@@ -109,9 +108,10 @@ class TorchMLAImpl(MLAAttentionImpl):
         k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         if p.context_len == 0:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-        else:  # causal after the cached prefix (SDPA's is_causal aligns top-left)
-            o = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=causal_lower_right(p.query_len, seq_len), scale=self.scale)
+        else:  # causal with the cached prefix as offset (SDPA's is_causal aligns top-left)
+            qpos = p.context_len + torch.arange(p.query_len, device=q.device)[:, None]
+            allowed = torch.arange(seq_len, device=q.device)[None, :] <= qpos
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale)
         out[rows] = o[0].transpose(0, 1)
 
     def _attend_absorbed(self, query: torch.Tensor, kv_cache: torch.Tensor, b: BatchedRequests
