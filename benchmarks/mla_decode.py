@@ -6,8 +6,8 @@ tokens. Each request's pages are scattered over the pool (a shuffled block table
 case it checks both kernels' outputs against a float32 reference (float64 on the CPU), then
 times them: medians of CUDA-event times of calls replayed from a CUDA graph (as the engine
 replays decode steps), in microseconds, in ``ROUNDS`` alternating rounds (ours, then
-FlashInfer's); the table shows each kernel's best round and every round's ratio, so neither
-kernel gains from running first or from the clocks drifting between the two.
+FlashInfer's); the table shows each kernel's best round and every round's ratio, so clocks
+drifting between two single timings weigh less.
 
 Bytes read per second count what a decode step must move once: every request's cached
 latents (``seq_len x 576`` values, read once for all heads), the queries and the outputs
@@ -182,11 +182,11 @@ def measure(dims: Dims, requests: int, context: int, page: int, device: torch.de
     rounds = []
     for _ in range(ROUNDS):
         rounds.append((device_time_us(ours, device, repeats),
-                       device_time_us(theirs, device, repeats) if theirs else None))
+                       device_time_us(theirs, device, repeats) if theirs is not None else None))
     ours_us = min(r[0] for r in rounds)
     cells = [f"{requests} x {context}", str(page), f"{ours_us:.1f}",
              f"{nbytes / ours_us / 1e3:.0f}"]
-    if theirs:
+    if theirs is not None:
         theirs_us = min(r[1] for r in rounds)
         cells += [f"{theirs_us:.1f}", f"{nbytes / theirs_us / 1e3:.0f}",
                   f"{theirs_us / ours_us:.0%}", " ".join(f"{b / a:.0%}" for a, b in rounds),

@@ -150,9 +150,8 @@ def test_h100_decode_kernels_on_gpu(kernel, heads, num_splits):
 def test_h100_decode_kernels_follow_a_growing_maximum(kernel, num_splits):
     """Scores that grow along the context (latents scaled from 1/4 to 4 by position, scores
     climbing some 30 powers of two), so the running maximum moves many times in the middle of
-    a split and in both of the Gluon kernel's warpgroups' tiles (it moves only past a slack,
-    and skips rescaling the output otherwise); and shrinking scores, where it never moves
-    after the first tile."""
+    a split and in both of the Gluon kernel's warpgroups' tiles; and shrinking scores, where
+    it never moves after the first tile."""
     import hitchllm_attention_mla.triton_mla as tm
 
     if kernel == "gluon_sm90" and torch.cuda.get_device_capability() != (9, 0):

@@ -269,24 +269,27 @@ def test_head_cache_rolls_back_rejected_drafts():
     assert cache.positions == [] and len(cache.keys) == 0
 
 
-def test_cached_rows_attention_matches_float64():
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_cached_rows_attention_matches_float64(dtype, tol):
     """A draft step's attention (each row's cached keys, padded to the longest row, plus its
     new token) against float64 attention per row and head, over two steps (the second sees
-    the first's key), with grouped query heads."""
+    the first's key), with grouped query heads; in bf16 with scores large enough (queries and
+    keys scaled by 4) that rounding them to bf16 before the softmax would miss the tolerance."""
     from hitchllm_specdec.eagle_head import CachedRows
 
     gen = torch.Generator().manual_seed(0)
     rows, length, heads, kv_heads, d = 3, 6, 8, 2, 16
-    keys = torch.randn(rows, length, kv_heads, d, generator=gen)
-    values = torch.randn(rows, length, kv_heads, d, generator=gen)
+    scale = 1.0 if dtype == torch.float32 else 4.0
+    keys = (torch.randn(rows, length, kv_heads, d, generator=gen) * scale).to(dtype)
+    values = torch.randn(rows, length, kv_heads, d, generator=gen).to(dtype)
     valid = torch.arange(length)[None, :] < torch.tensor([6, 3, 1])[:, None]
     context = CachedRows(keys, values, valid)
     seen_k = [[keys[i, valid[i]]] for i in range(rows)]
     seen_v = [[values[i, valid[i]]] for i in range(rows)]
     for _ in range(2):
-        q = torch.randn(rows, heads, d, generator=gen)
-        k = torch.randn(rows, kv_heads, d, generator=gen)
-        v = torch.randn(rows, kv_heads, d, generator=gen)
+        q = (torch.randn(rows, heads, d, generator=gen) * scale).to(dtype)
+        k = (torch.randn(rows, kv_heads, d, generator=gen) * scale).to(dtype)
+        v = torch.randn(rows, kv_heads, d, generator=gen).to(dtype)
         out = context.attend(q, k, v)
         expected = torch.empty(rows, heads, d, dtype=torch.float64)
         for i in range(rows):
@@ -297,4 +300,4 @@ def test_cached_rows_attention_matches_float64():
                 g = h // (heads // kv_heads)
                 probs = (row_k[:, g] @ q[i, h].double() / d**0.5).softmax(0)
                 expected[i, h] = probs @ row_v[:, g]
-        torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)

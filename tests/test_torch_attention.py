@@ -108,3 +108,24 @@ def test_prompt_attention_never_asks_cudnn(monkeypatch):
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     assert len(calls) == 2 and not any(calls)
     assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_cudnn_switch_is_shared_by_overlapping_blocks():
+    """Two engines' steps on two threads overlap: cuDNN's SDPA kernel stays off until the last
+    block leaves, then comes back as it was (off, if the user had turned it off)."""
+    from contextlib import ExitStack
+
+    from hitchllm.attention.torch_backend import without_cudnn_sdpa
+
+    for user_setting in (True, False):
+        torch.backends.cuda.enable_cudnn_sdp(user_setting)
+        try:
+            first, second = ExitStack(), ExitStack()
+            first.enter_context(without_cudnn_sdpa())
+            second.enter_context(without_cudnn_sdpa())
+            first.close()  # the first engine's step ends while the second's runs
+            assert not torch.backends.cuda.cudnn_sdp_enabled()
+            second.close()
+            assert torch.backends.cuda.cudnn_sdp_enabled() == user_setting
+        finally:
+            torch.backends.cuda.enable_cudnn_sdp(True)

@@ -14,12 +14,14 @@ gathered, so attention itself always runs in the model's dtype.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hitchllm.attention.backend import (
     AttentionBackend,
@@ -40,11 +42,33 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
 
 
-#: SDPA's kernels for attention whose shapes change from call to call (every new prompt
-#: length, a growing context): all but cuDNN's, which builds a plan the first time it meets
-#: a shape. On an H100 (torch 2.11) SDPA picks cuDNN for prompts of a GQA model and paid
-#: 100-190 ms for each new prompt length against 0.05-0.4 ms a call otherwise.
-SHAPE_STABLE_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+_cudnn_sdpa_lock = threading.Lock()
+_cudnn_sdpa_users = 0
+_cudnn_sdpa_was_enabled = True
+
+
+@contextmanager
+def without_cudnn_sdpa() -> Iterator[None]:
+    """SDPA without cuDNN's kernel inside the block, for attention whose shapes change from
+    call to call (every new prompt length): cuDNN builds a plan the first time it meets a
+    shape, and on an H100 (torch 2.11) SDPA picked it for GQA prompts and paid 100-190 ms for
+    each new prompt length against 0.05-0.4 ms a call otherwise. SDPA's switches are
+    process-wide, so blocks on several threads (two engines in one process) share one count:
+    the first to enter turns cuDNN's kernel off, the last to leave restores what it found.
+    The other kernels' switches are left as the user set them."""
+    global _cudnn_sdpa_users, _cudnn_sdpa_was_enabled
+    with _cudnn_sdpa_lock:
+        if _cudnn_sdpa_users == 0:
+            _cudnn_sdpa_was_enabled = torch.backends.cuda.cudnn_sdp_enabled()
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        _cudnn_sdpa_users += 1
+    try:
+        yield
+    finally:
+        with _cudnn_sdpa_lock:
+            _cudnn_sdpa_users -= 1
+            if _cudnn_sdpa_users == 0:
+                torch.backends.cuda.enable_cudnn_sdp(_cudnn_sdpa_was_enabled)
 
 
 @dataclass
@@ -191,9 +215,11 @@ class TorchAttentionImpl(AttentionImpl):
         self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
         block_table: torch.Tensor, prefills: list[PrefillRequest], out: torch.Tensor,
     ) -> None:
-        """Each of ``prefills`` through ``attend_request``, into its rows of ``out`` (SDPA's
-        kernels limited to ``SHAPE_STABLE_SDPA`` for all of them)."""
-        with sdpa_kernel(SHAPE_STABLE_SDPA):
+        """Each of ``prefills`` through ``attend_request``, into its rows of ``out`` (all of
+        them inside one ``without_cudnn_sdpa`` block)."""
+        if not prefills:
+            return
+        with without_cudnn_sdpa():
             for p in prefills:
                 rows = slice(p.query_start, p.query_start + p.query_len)
                 out[rows] = self.attend_request(query[rows], key_cache, value_cache,

@@ -15,7 +15,6 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import sdpa_kernel
 
 from hitchllm.attention import (
     AttentionBackend,
@@ -26,11 +25,11 @@ from hitchllm.attention import (
     KVCacheSpec,
 )
 from hitchllm.attention.torch_backend import (
-    SHAPE_STABLE_SDPA,
     BatchedRequests,
     PrefillRequest,
     TorchAttentionMetadata,
     TorchAttentionMetadataBuilder,
+    without_cudnn_sdpa,
 )
 from hitchllm_attention_mla.layer import MLAAttentionImpl
 from hitchllm_attention_mla.ranking import MLA_BACKEND_PRIORITY
@@ -54,8 +53,6 @@ def mla_reasons(spec: AttentionSpec, backend: str) -> list[str]:
     return reasons
 
 
-
-
 class TorchMLAImpl(MLAAttentionImpl):
     """Expanded attention for prefills, absorbed attention for decodes, over the latent cache."""
 
@@ -68,7 +65,7 @@ class TorchMLAImpl(MLAAttentionImpl):
         if metadata.prefills:
             # Not cuDNN's SDPA (its per-shape plans were 35% of a fresh DeepSeek-V2-Lite
             # run's first pass on an H100); entered once for the step's prompts.
-            with sdpa_kernel(SHAPE_STABLE_SDPA):
+            with without_cudnn_sdpa():
                 for p in metadata.prefills:
                     self._attend_prefill(query, kv_cache, metadata.block_table[p.row], p, out)
         if metadata.batched is not None:

@@ -101,7 +101,8 @@ class CachedRows:
         kv_heads = self.keys.shape[2]
         # [B, kv_heads, group, d]: the query heads that share a key/value head side by side.
         grouped = q.view(rows, kv_heads, heads // kv_heads, d)
-        scores = (grouped @ self.keys.permute(0, 2, 3, 1)).float() * d**-0.5
+        # Scores in float32 as SDPA's kernels keep them (bf16 scores lose the softmax).
+        scores = (grouped.float() @ self.keys.float().permute(0, 2, 3, 1)) * d**-0.5
         scores = scores.masked_fill(~self.valid[:, None, None, :], float("-inf"))
         probs = scores.softmax(-1).to(self.values.dtype)
         return (probs @ self.values.transpose(1, 2)).view(rows, heads, d)
