@@ -129,10 +129,7 @@ def run_hitchllm(llm, work: Workload, profile: Path | None, repeat: int = 1,
             with torch.profiler.profile(record_shapes=True) as prof:
                 outs = llm.generate(prompts, params, use_tqdm=progress)
             prof.export_chrome_trace(str(profile))
-        _sync(llm.engine.device)
-        times.append(time.perf_counter() - start)
-        if repeat > 1:  # every run, so a first run slowed by one-time work shows
-            print(f"timed run {len(times)} of {repeat}: {times[-1]:.2f} s", file=sys.stderr)
+        _end_run(times, start, llm.engine.device, repeat)
         produced = sum(len(o.outputs[0].token_ids) for o in outs)
         if produced != work.output_tokens:
             raise RuntimeError(f"expected {work.output_tokens} output tokens, got {produced}")
@@ -188,16 +185,22 @@ def run_hf(model_path: str, work: Workload, dtype: torch.dtype, device: torch.de
                       unit="batch", disable=not progress):
             chunk = slice(i, i + batch_size)
             generate(work.prompts[chunk], max(work.output_lens[chunk]))
-        _sync(device)
-        times.append(time.perf_counter() - start)
-        if repeat > 1:  # every run, so a first run slowed by one-time work shows
-            print(f"timed run {len(times)} of {repeat}: {times[-1]:.2f} s", file=sys.stderr)
+        _end_run(times, start, device, repeat)
     return min(times)
 
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _end_run(times: list[float], start: float, device: torch.device, repeat: int) -> None:
+    """Record a timed run that began at ``start`` once ``device`` is done; with several,
+    print each, so a first run slowed by one-time work shows."""
+    _sync(device)
+    times.append(time.perf_counter() - start)
+    if repeat > 1:
+        print(f"timed run {len(times)} of {repeat}: {times[-1]:.2f} s", file=sys.stderr)
 
 
 def _row(name: str, work: Workload, seconds: float) -> str:
