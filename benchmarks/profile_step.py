@@ -47,7 +47,7 @@ def instrument(llm: LLM) -> None:
     _wrap(runner, "_prepare_inputs", "prepare inputs")
     _wrap(runner.builder, "build", "attention metadata")
     _wrap(runner, "_eager_forward", "forward")
-    _wrap(runner, "_forward_graph", "forward")
+    _wrap(runner, "_replay", "forward")
     _wrap(runner.model, "compute_logits", "logits")
     _wrap(runner, "_sample", "sample + sync")
     _wrap(engine.scheduler, "update_from_output", "update requests")
@@ -57,12 +57,12 @@ def instrument(llm: LLM) -> None:
             _wrap(layer.impl, "forward", "attention (in forward)")
 
 
-def fill(llm: LLM, batch: int, context: int, seed: int) -> None:
+def fill(llm: LLM, batch: int, context: int, seed: int, temperature: float) -> None:
     """Queue ``batch`` requests and step until all of them are decoding."""
     engine = llm.engine
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=100_000, ignore_eos=True)
     for _ in range(batch):
         prompt = [rng.randrange(vocab) for _ in range(context)]
         engine.add_request({"prompt_token_ids": prompt}, params)
@@ -110,13 +110,15 @@ def main() -> None:
     parser.add_argument("--context-len", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--profile-steps", type=int, default=5)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0: greedy; the throughput workload samples at 0.6")
     parser.add_argument("--trace", type=Path, help="also write a Chrome trace here")
     args = parser.parse_args()
 
     llm = LLM(args.model, **engine_kwargs(args))
     engine = llm.engine
     cuda = engine.device.type == "cuda"
-    fill(llm, args.batch_size, args.context_len, args.seed)
+    fill(llm, args.batch_size, args.context_len, args.seed, args.temperature)
     for _ in range(3):
         engine.step()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
