@@ -3,6 +3,8 @@ Triton's interpreter, small shapes, float32; GPU: real sizes in bf16), and end t
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from attention_reference import make_batch, reference_attention
@@ -24,7 +26,7 @@ CASES = {
 
 def run_triton(context_lens, query_lens, num_heads, num_kv_heads, head_size=16, block_size=4,
                dtype=torch.float32, device="cpu", splits=None, sliding_window=None,
-               soft_cap=None, num_blocks=None, seed=0):
+               soft_cap=None, num_blocks=None, seed=0, longest_first=None, cuda_graph=False):
     spec = AttentionSpec(device_type=torch.device(device).type, dtype=dtype,
                          kv_cache_dtype=dtype, head_size=head_size, num_heads=num_heads,
                          num_kv_heads=num_kv_heads, block_size=block_size,
@@ -43,7 +45,9 @@ def run_triton(context_lens, query_lens, num_heads, num_kv_heads, head_size=16, 
     scale = head_size**-0.5
     builder = TritonAttentionBackend.get_builder_cls()(spec, torch.device(device))
     builder.force_num_splits = splits
-    meta = builder.build(batch.common)
+    if longest_first is not None:
+        builder.longest_first = longest_first
+    meta = builder.build(dataclasses.replace(batch.common, cuda_graph=cuda_graph))
     impl = TritonAttentionBackend.get_impl_cls()(num_heads, head_size, scale, num_kv_heads, spec)
     out = impl.forward(batch.query, batch.key, batch.value, cache, meta)
     ref = reference_attention(batch, scale, sliding_window, soft_cap, dtype)
@@ -70,6 +74,47 @@ def test_split_kv_decode_matches_reference_and_unsplit(splits):
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     unsplit, _, _, _ = run_triton(ctx, q, 8, 2, splits=1)
     torch.testing.assert_close(out, unsplit, atol=1e-5, rtol=1e-5)
+
+
+def _decode_order(builder, context_lens, cuda_graph=False):
+    """The request order ``builder`` gives a decode step over ``context_lens``."""
+    n, kv_heads, head_size, block_size = len(context_lens), 2, 16, 4
+    num_blocks = sum(-(-(c + 1) // block_size) for c in context_lens)
+    cache = torch.zeros(TritonAttentionBackend.get_kv_cache_shape(
+        num_blocks, block_size, kv_heads, head_size))
+    batch = make_batch(context_lens, [1] * n, 8, kv_heads, head_size, block_size, num_blocks,
+                       cache, torch.float32, write_context=lambda *_: None)
+    order = builder.build(dataclasses.replace(batch.common, cuda_graph=cuda_graph)).order
+    return None if order is None else order.clone(), order
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "graph"])
+def test_decode_programs_take_the_longest_contexts_first(splits, cuda_graph):
+    """Past two waves of SMs (the interpreter's builder counts 4 SMs) the decode kernel's
+    programs take requests longest first, each request's KV heads together; the output is the
+    index-order kernel's, bit for bit. A CUDA-graph batch sorts into buffers kept per size."""
+    ctx = [3, 40, 1, 25, 9, 17, 40]
+    args = (ctx, [1] * len(ctx), 8, 2)
+    out, ref, _, _ = run_triton(*args, splits=splits, longest_first=True, cuda_graph=cuda_graph)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    by_index, _, _, _ = run_triton(*args, splits=splits, longest_first=False)
+    assert torch.equal(out, by_index)
+
+    spec = AttentionSpec(device_type="cpu", dtype=torch.float32, kv_cache_dtype=torch.float32,
+                         head_size=16, num_heads=8, num_kv_heads=2, block_size=4)
+    builder = TritonAttentionBackend.get_builder_cls()(spec, torch.device("cpu"))
+    builder.force_num_splits = splits
+    assert _decode_order(builder, ctx, cuda_graph)[0] is None  # off by default on the CPU
+    builder.longest_first = True
+    order, buffer = _decode_order(builder, ctx, cuda_graph)
+    assert order.tolist() == [1, 6, 3, 5, 4, 0, 2]  # stable: request 1 before request 6
+    again, again_buffer = _decode_order(builder, [9, 1, 2, 3, 4, 5, 6], cuda_graph)
+    assert again.tolist() == [0, 6, 5, 4, 3, 2, 1]
+    # A graph replays the buffer it was captured with: the same one, refilled.
+    assert (again_buffer.data_ptr() == buffer.data_ptr()) == cuda_graph
+    # One wave or less (2 requests x 2 KV heads x splits <= 2 x 4 SMs): index order.
+    assert _decode_order(builder, [30, 2], cuda_graph)[0] is None
 
 
 def test_new_keys_and_values_land_in_their_slots_and_padding_is_skipped():

@@ -214,12 +214,19 @@ def paged_attention(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DECODE: tl.constexpr, FP8: tl.constexpr,
-    V_WORD: tl.constexpr = 1, ASM_CVT: tl.constexpr = False,
+    V_WORD: tl.constexpr = 1, ASM_CVT: tl.constexpr = False, LONGEST_FIRST: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if DECODE:  # one query token per request: tile i is request i
+    if DECODE and LONGEST_FIRST:
+        # Axis 0 runs over (request, KV head) pairs, requests in the order of
+        # ``tile_req_ptr`` (longest context first) and each request's heads together.
+        kv_heads = num_heads // GROUP
+        req = tl.load(tile_req_ptr + tile // kv_heads).to(tl.int32)
+        kv_head = tile % kv_heads
+        q0 = 0
+    elif DECODE:  # one query token per request: tile i is request i
         req = tile
         q0 = 0
     else:
