@@ -9,9 +9,10 @@ than the attention itself. On CUDA each function below is compiled once with
 or two fused kernels. Elsewhere, or with fusion turned off (``EngineConfig.enable_fusion``),
 the same code runs eagerly, unless a plugin has registered a kernel for the function on the
 argument's device type (``register_device_kernels``: attention_cpu supplies C versions for
-the CPU). Each function keeps the reference implementation's roundings
-(residual sums and normalized values are rounded to the model dtype where Hugging Face
-transformers rounds them).
+the CPU). ``rotary`` and ``qk_norm_rotary`` run on CUDA as one Triton kernel instead
+(``hitchllm.models.rotary_kernel``; compiled, they took four kernels and several times as
+long). Each function keeps the reference implementation's roundings (residual sums and
+normalized values are rounded to the model dtype where Hugging Face transformers rounds them).
 """
 
 from __future__ import annotations
@@ -83,8 +84,10 @@ def _signature(args: tuple[Any, ...]) -> tuple[Any, ...]:
     return tensors, torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
 
-def _fused(fn: _F, applies: Callable[[torch.Tensor], bool]) -> _F:
-    """Run ``fn`` compiled when ``applies(first argument)`` and fusion is on.
+def _fused(fn: _F, applies: Callable[[torch.Tensor], bool], triton_kernel: bool = False) -> _F:
+    """Run ``fn`` compiled when ``applies(first argument)`` and fusion is on; with
+    ``triton_kernel``, the function of ``fn``'s name in ``hitchllm.models.rotary_kernel`` first
+    (compiled where it returns None).
 
     Dynamo keeps a bounded number of compilations per function (``recompile_limit``); a
     process that builds many engines (tests, notebooks, a server with several models) can pass
@@ -92,10 +95,11 @@ def _fused(fn: _F, applies: Callable[[torch.Tensor], bool]) -> _F:
     eagerly (the same arithmetic), with one warning; the kinds compiled before stay compiled.
     """
     compiled: Callable[..., Any] | None = None
+    kernel: Callable[..., Any] | None = None
     eager_kinds: set[tuple[Any, ...]] = set()
 
     def run(*args: Any) -> Any:
-        nonlocal compiled
+        nonlocal compiled, kernel
         if not (_fusion_enabled and applies(args[0])):
             if _fusion_enabled and _device_kernels:
                 kernel = _device_kernels.get((args[0].device.type, fn.__name__))
@@ -104,6 +108,14 @@ def _fused(fn: _F, applies: Callable[[torch.Tensor], bool]) -> _F:
                     if out is not None:
                         return out
             return fn(*args)
+        if triton_kernel:
+            if kernel is None:
+                from hitchllm.models import rotary_kernel  # imports Triton: CUDA only
+
+                kernel = getattr(rotary_kernel, fn.__name__)
+            out = kernel(*args)
+            if out is not None:
+                return out
         if eager_kinds and _signature(args) in eager_kinds:
             return fn(*args)
         if compiled is None:
@@ -126,6 +138,12 @@ def _fused(fn: _F, applies: Callable[[torch.Tensor], bool]) -> _F:
 def _fused_on_cuda(fn: _F) -> _F:
     """Run ``fn`` compiled when its first argument is a CUDA tensor and fusion is on."""
     return _fused(fn, lambda x: x.is_cuda)
+
+
+def _triton_on_cuda(fn: _F) -> _F:
+    """Run ``fn`` as ``rotary_kernel``'s Triton kernel of its name (else compiled) when its
+    first argument is a CUDA tensor and fusion is on."""
+    return _fused(fn, lambda x: x.is_cuda, triton_kernel=True)
 
 
 def _normalize(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -168,7 +186,7 @@ def _apply_rotary(
     return _rotate(q, c, s), _rotate(k, c, s)
 
 
-@_fused_on_cuda
+@_triton_on_cuda
 def rotary(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     sin: torch.Tensor,
@@ -178,7 +196,7 @@ def rotary(
     return _apply_rotary(positions, q, k, cos, sin)
 
 
-@_fused_on_cuda
+@_triton_on_cuda
 def qk_norm_rotary(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
     k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
