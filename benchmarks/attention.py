@@ -395,4 +395,3 @@ def compare_kv_dtypes(args: argparse.Namespace, kv_dtype: torch.dtype) -> None:
 
 if __name__ == "__main__":
     main()
-

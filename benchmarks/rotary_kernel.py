@@ -2,7 +2,8 @@
 (``hitchllm.models.rotary_kernel``) against the same function compiled with ``torch.compile``
 (``fused``'s route before it, four kernels), at Qwen3-0.6B's heads (16 query, 8 key, d 128,
 bf16) from decode to prompt-step token counts. Times are device times replayed from CUDA
-graphs; the table also gives the largest difference from PyTorch's op-by-op arithmetic.
+graphs; the table also gives the share of output values unlike those of PyTorch's op-by-op
+arithmetic (same rounding steps, eager).
 
     python benchmarks/rotary_kernel.py [--results benchmarks/RESULTS.md]
 """

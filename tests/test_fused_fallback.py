@@ -31,3 +31,26 @@ def test_recompile_limit_falls_back_to_eager(caplog):
     # Without the fallback the third kind raised FailOnRecompileLimitHit (fullgraph=True).
     warnings = [r for r in caplog.records if "recompile limit" in r.getMessage()]
     assert len(warnings) == 1
+
+
+def test_a_device_kernel_call_never_stands_in_for_the_loaded_kernel():
+    """A function with both a plugin's device kernel (a device its own route does not apply
+    to) and a loaded kernel (where it does, CUDA in the engine) calls each on its own device:
+    a CPU call first must not make later calls on the other route run the CPU kernel."""
+    calls = []
+
+    def rotary(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    fused.register_device_kernels("cpu", {"rotary": lambda x: calls.append("cpu") or x})
+    try:
+        # float64 stands for the route's device here (``applies``), float32 for the other.
+        run = fused._fused(rotary, lambda x: x.dtype == torch.float64,
+                           lambda: lambda x: calls.append("loaded") or x)
+        run(torch.zeros(2))
+        run(torch.zeros(2, dtype=torch.float64))
+        run(torch.zeros(2))
+        run(torch.zeros(2, dtype=torch.float64))
+    finally:
+        fused.unregister_device_kernels("cpu")
+    assert calls == ["cpu", "loaded", "cpu", "loaded"]

@@ -117,6 +117,38 @@ def test_decode_programs_take_the_longest_contexts_first(splits, cuda_graph):
     assert _decode_order(builder, [30, 2], cuda_graph)[0] is None
 
 
+def test_decode_programs_follow_the_order_they_are_given(monkeypatch):
+    """The kernel reads each program's request from the order (any permutation gives the same
+    output, so an order naming request 3 for every program tells whether it is read): only
+    request 3's output is written, and it is the reference's."""
+    ctx = [3, 40, 1, 25, 9, 17, 40]
+    n, heads, kv_heads, head_size, block_size = len(ctx), 8, 2, 16, 4
+    spec = AttentionSpec(device_type="cpu", dtype=torch.float32, kv_cache_dtype=torch.float32,
+                         head_size=head_size, num_heads=heads, num_kv_heads=kv_heads,
+                         block_size=block_size)
+    num_blocks = sum(-(-(c + 1) // block_size) for c in ctx) + 8
+    cache = torch.zeros(TritonAttentionBackend.get_kv_cache_shape(
+        num_blocks, block_size, kv_heads, head_size))
+
+    def write(slots, k, v):
+        cache[0].view(-1, kv_heads, head_size)[slots] = k
+        cache[1].view(-1, kv_heads, head_size)[slots] = v
+
+    batch = make_batch(ctx, [1] * n, heads, kv_heads, head_size, block_size, num_blocks, cache,
+                       torch.float32, write_context=write)
+    builder = TritonAttentionBackend.get_builder_cls()(spec, torch.device("cpu"))
+    builder.longest_first = True
+    meta = builder.build(batch.common)
+    meta.order = torch.full((n,), 3, dtype=torch.int64)
+    impl = TritonAttentionBackend.get_impl_cls()(heads, head_size, head_size**-0.5, kv_heads,
+                                                 spec)
+    monkeypatch.setattr(torch, "empty_like", lambda t: torch.full_like(t, 7.0))
+    out = impl.forward(batch.query, batch.key, batch.value, cache, meta)
+    ref = reference_attention(batch, head_size**-0.5, None, None, torch.float32)
+    torch.testing.assert_close(out[3].double(), ref[3], atol=1e-5, rtol=1e-5)
+    assert (out[torch.arange(n) != 3] == 7.0).all()
+
+
 def test_new_keys_and_values_land_in_their_slots_and_padding_is_skipped():
     _, _, cache, batch = run_triton([0, 12], [9, 1], 4, 2)
     slots = batch.common.slot_mapping

@@ -51,7 +51,7 @@ def register_device_kernels(device_type: str, kernels: dict[str, Callable[..., A
     the function computes with the same roundings, and where it cannot match PyTorch's result
     bit for bit (a reduction in another order) it should handle only dtypes where that is
     tolerated (float32 greedy outputs are compared bit for bit with transformers). Not for
-    "cuda", where the functions are compiled."""
+    "cuda", where the functions are compiled or run as hitchllm's own Triton kernels."""
     if device_type == "cuda":
         raise ValueError("the fused functions are compiled with torch.compile on CUDA; "
                          "register device kernels for another device type")
@@ -84,10 +84,13 @@ def _signature(args: tuple[Any, ...]) -> tuple[Any, ...]:
     return tensors, torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
 
-def _fused(fn: _F, applies: Callable[[torch.Tensor], bool], triton_kernel: bool = False) -> _F:
+def _fused(
+    fn: _F, applies: Callable[[torch.Tensor], bool],
+    load_kernel: Callable[[], Callable[..., Any]] | None = None,
+) -> _F:
     """Run ``fn`` compiled when ``applies(first argument)`` and fusion is on; with
-    ``triton_kernel``, the function of ``fn``'s name in ``hitchllm.models.rotary_kernel`` first
-    (compiled where it returns None).
+    ``load_kernel``, the kernel it returns (loaded on the first such call) first, compiled
+    where that kernel returns None.
 
     Dynamo keeps a bounded number of compilations per function (``recompile_limit``); a
     process that builds many engines (tests, notebooks, a server with several models) can pass
@@ -95,25 +98,23 @@ def _fused(fn: _F, applies: Callable[[torch.Tensor], bool], triton_kernel: bool 
     eagerly (the same arithmetic), with one warning; the kinds compiled before stay compiled.
     """
     compiled: Callable[..., Any] | None = None
-    kernel: Callable[..., Any] | None = None
+    loaded: Callable[..., Any] | None = None
     eager_kinds: set[tuple[Any, ...]] = set()
 
     def run(*args: Any) -> Any:
-        nonlocal compiled, kernel
+        nonlocal compiled, loaded
         if not (_fusion_enabled and applies(args[0])):
             if _fusion_enabled and _device_kernels:
-                kernel = _device_kernels.get((args[0].device.type, fn.__name__))
-                if kernel is not None:
-                    out = kernel(*args)
+                device_kernel = _device_kernels.get((args[0].device.type, fn.__name__))
+                if device_kernel is not None:
+                    out = device_kernel(*args)
                     if out is not None:
                         return out
             return fn(*args)
-        if triton_kernel:
-            if kernel is None:
-                from hitchllm.models import rotary_kernel  # imports Triton: CUDA only
-
-                kernel = getattr(rotary_kernel, fn.__name__)
-            out = kernel(*args)
+        if load_kernel is not None:
+            if loaded is None:
+                loaded = load_kernel()
+            out = loaded(*args)
             if out is not None:
                 return out
         if eager_kinds and _signature(args) in eager_kinds:
@@ -143,7 +144,13 @@ def _fused_on_cuda(fn: _F) -> _F:
 def _triton_on_cuda(fn: _F) -> _F:
     """Run ``fn`` as ``rotary_kernel``'s Triton kernel of its name (else compiled) when its
     first argument is a CUDA tensor and fusion is on."""
-    return _fused(fn, lambda x: x.is_cuda, triton_kernel=True)
+
+    def load_kernel() -> Callable[..., Any]:
+        from hitchllm.models import rotary_kernel  # imports Triton: CUDA only
+
+        return getattr(rotary_kernel, fn.__name__)
+
+    return _fused(fn, lambda x: x.is_cuda, load_kernel)
 
 
 def _normalize(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -3,13 +3,17 @@ Triton kernel on CUDA.
 
 ``torch.compile`` turns ``fused.qk_norm_rotary`` into four kernels (a reduction and a
 pointwise pass for queries and for keys, with dynamic shapes): on an H100 about 7.6 us a
-layer at 64 decode tokens and 0.5 ms at 8,192 prompt tokens, where this kernel takes 2.3 us
-and 35 us. One program takes one token: every query and key head of it, normalized (when
-weights are given) and rotated, written to new contiguous tensors.
+layer at 64 decode tokens and 0.5 ms at 8,192 prompt tokens, where this kernel took 2.3 us
+and 35 us (measured before bf16 rounded with integer masks, below). One program takes one
+token: every query and key head of it, normalized (when weights are given) and rotated,
+written to new contiguous tensors.
 
 The arithmetic is ``fused``'s, rounding where it rounds: statistics in float32, the normalized
 value rounded to the model dtype before the weight multiplies it, the float32 cos/sin tables
-rounded to the model dtype, and each product and sum of the rotation rounded.
+rounded to the model dtype, and each product and sum of the rotation rounded. bfloat16 and
+float32 only: compiled for sm_90, float16's products fold into fused multiply-adds that skip
+their roundings, so float16 stays on the compiled route. Positions must lie within the tables
+(the engine's do); they are not checked on the device.
 """
 
 from __future__ import annotations
@@ -18,21 +22,19 @@ import torch
 import triton
 import triton.language as tl
 
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_DTYPES = (torch.bfloat16, torch.float32)
 
 
 @triton.jit
 def _round(x, dt: tl.constexpr):
     """``x`` (float32) rounded to ``dt`` and back. bfloat16 by integer arithmetic (round to
-    nearest even on the bits): compiled for sm_90, ``x.to(bf16).to(float32)`` lost its rounding
-    in some of the expressions below (17% of the values differed from PyTorch's), and Triton's
-    interpreter truncates where it converts."""
+    nearest even on the bits; NaN kept as it is): compiled for sm_90,
+    ``x.to(bf16).to(float32)`` lost its rounding in some of the expressions below (17% of the
+    values differed from PyTorch's), and Triton's interpreter truncates where it converts."""
     if dt == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-    elif dt == tl.float16:
-        return x.to(tl.float16).to(tl.float32)
+        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
     else:
         return x
 
@@ -81,23 +83,28 @@ def _norm_rotary_kernel(
            K_HEADS, K_PAD, HALF, HALF_PAD, NORM)
 
 
-def _pow2(n: int) -> int:
-    return 1 << (max(1, n) - 1).bit_length()
-
-
 def _launch(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     sin: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    weights = () if q_weight is None or k_weight is None else (q_weight, k_weight)
+    tensors = (positions, q, k, cos, sin, *weights)
     if not (q.dim() == k.dim() == 3 and q.dtype == k.dtype and q.dtype in _DTYPES
             and q.shape[2] == k.shape[2] and q.shape[2] % 2 == 0 and q.shape[0] == k.shape[0]
-            and q.stride(2) == 1 and k.stride(2) == 1 and positions.dim() == 1
+            and q.stride(2) == 1 and k.stride(2) == 1
+            and positions.shape == (q.shape[0],) and positions.is_contiguous()
+            and not positions.is_floating_point()
+            and cos.dim() == 2 and cos.shape == sin.shape and cos.shape[1] * 2 == q.shape[2]
             and cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous()
-            and sin.is_contiguous() and cos.shape[-1] * 2 == q.shape[2]):
+            and sin.is_contiguous()
+            and all(t.device == q.device for t in tensors)
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))):
         return None
-    if q_weight is not None and not (q_weight.dtype == k_weight.dtype == q.dtype
-                                     and q_weight.is_contiguous() and k_weight.is_contiguous()):
+    if q_weight is not None and not (
+            len(weights) == 2 and q_weight.dtype == k_weight.dtype == q.dtype
+            and q_weight.shape == k_weight.shape == (q.shape[2],)
+            and q_weight.is_contiguous() and k_weight.is_contiguous()):
         return None
     tokens, q_heads, head_dim = q.shape
     k_heads = k.shape[1]
@@ -109,8 +116,9 @@ def _launch(
     _norm_rotary_kernel[(tokens,)](
         positions, q, k, q_out, k_out, q_weight if norm else q, k_weight if norm else k,
         cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), eps,
-        Q_HEADS=q_heads, Q_PAD=_pow2(q_heads), K_HEADS=k_heads, K_PAD=_pow2(k_heads),
-        HALF=head_dim // 2, HALF_PAD=_pow2(head_dim // 2), NORM=norm, num_warps=4,
+        Q_HEADS=q_heads, Q_PAD=triton.next_power_of_2(q_heads), K_HEADS=k_heads,
+        K_PAD=triton.next_power_of_2(k_heads), HALF=head_dim // 2,
+        HALF_PAD=triton.next_power_of_2(head_dim // 2), NORM=norm, num_warps=4,
     )
     return q_out, k_out
 
@@ -119,8 +127,8 @@ def rotary(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     sin: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``fused.rotary`` in one kernel, or None for arguments it does not take (a dtype or
-    layout other than ``fused``'s models use), which then run compiled."""
+    """``fused.rotary`` in one kernel, or None for arguments it does not take (float16, another
+    layout or device, autograd), which then run compiled."""
     return _launch(positions, q, k, cos, sin, None, None, 0.0)
 
 

@@ -75,9 +75,11 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
         # Decode programs take requests longest context first when they fill more than two
         # waves of SMs: contexts of a batch differ by up to the model length, and in index
         # order a long request's programs may start last and run on alone while the rest of
-        # the GPU waits. On an H100 (benchmarks/attention.py --order): 5-17% less time at 32
-        # to 256 requests of mixed lengths, the same on equal lengths, 1-3% more at 8-16
-        # requests (one wave), hence the threshold.
+        # the GPU waits. On an H100 (benchmarks/attention.py --order): 1.05-1.17x faster at
+        # 32 to 256 requests of mixed lengths, the same on equal lengths; forced at 8-16
+        # requests (one wave, a scratch run) 1-3% slower, hence the threshold. A graph replayed
+        # without a build (the EAGLE draft chain) keeps its size's last order: a permutation
+        # all the same, so only the balance is lost.
         self.longest_first = self.device.type == "cuda"
         self._graph_order: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
