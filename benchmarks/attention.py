@@ -25,6 +25,7 @@ import argparse
 import copy
 import dataclasses
 import math
+import random
 from datetime import date
 from pathlib import Path
 
@@ -328,8 +329,6 @@ def compare_orders(args: argparse.Namespace) -> None:
     query and 8 KV heads), on equal contexts and on mixed ones: uniform
     over 100-2047 tokens, and the throughput run's mix (a prompt of 100-1,024 tokens plus up to
     1,000 generated)."""
-    import random
-
     rng = random.Random(0)
     mixes = {
         "equal, 1024": lambda: 1023,

@@ -26,7 +26,8 @@ CASES = {
 
 def run_triton(context_lens, query_lens, num_heads, num_kv_heads, head_size=16, block_size=4,
                dtype=torch.float32, device="cpu", splits=None, sliding_window=None,
-               soft_cap=None, num_blocks=None, seed=0, longest_first=None, cuda_graph=False):
+               soft_cap=None, num_blocks=None, seed=0, longest_first=None, cuda_graph=False,
+               order=None):
     spec = AttentionSpec(device_type=torch.device(device).type, dtype=dtype,
                          kv_cache_dtype=dtype, head_size=head_size, num_heads=num_heads,
                          num_kv_heads=num_kv_heads, block_size=block_size,
@@ -48,6 +49,8 @@ def run_triton(context_lens, query_lens, num_heads, num_kv_heads, head_size=16, 
     if longest_first is not None:
         builder.longest_first = longest_first
     meta = builder.build(dataclasses.replace(batch.common, cuda_graph=cuda_graph))
+    if order is not None:  # in place of the builder's (decode batches)
+        meta.order = order
     impl = TritonAttentionBackend.get_impl_cls()(num_heads, head_size, scale, num_kv_heads, spec)
     out = impl.forward(batch.query, batch.key, batch.value, cache, meta)
     ref = reference_attention(batch, scale, sliding_window, soft_cap, dtype)
@@ -122,29 +125,11 @@ def test_decode_programs_follow_the_order_they_are_given(monkeypatch):
     output, so an order naming request 3 for every program tells whether it is read): only
     request 3's output is written, and it is the reference's."""
     ctx = [3, 40, 1, 25, 9, 17, 40]
-    n, heads, kv_heads, head_size, block_size = len(ctx), 8, 2, 16, 4
-    spec = AttentionSpec(device_type="cpu", dtype=torch.float32, kv_cache_dtype=torch.float32,
-                         head_size=head_size, num_heads=heads, num_kv_heads=kv_heads,
-                         block_size=block_size)
-    num_blocks = sum(-(-(c + 1) // block_size) for c in ctx) + 8
-    cache = torch.zeros(TritonAttentionBackend.get_kv_cache_shape(
-        num_blocks, block_size, kv_heads, head_size))
-
-    def write(slots, k, v):
-        cache[0].view(-1, kv_heads, head_size)[slots] = k
-        cache[1].view(-1, kv_heads, head_size)[slots] = v
-
-    batch = make_batch(ctx, [1] * n, heads, kv_heads, head_size, block_size, num_blocks, cache,
-                       torch.float32, write_context=write)
-    builder = TritonAttentionBackend.get_builder_cls()(spec, torch.device("cpu"))
-    builder.longest_first = True
-    meta = builder.build(batch.common)
-    meta.order = torch.full((n,), 3, dtype=torch.int64)
-    impl = TritonAttentionBackend.get_impl_cls()(heads, head_size, head_size**-0.5, kv_heads,
-                                                 spec)
+    n = len(ctx)
+    # The impl's output starts as torch.empty_like(query): filled with 7.0 here instead.
     monkeypatch.setattr(torch, "empty_like", lambda t: torch.full_like(t, 7.0))
-    out = impl.forward(batch.query, batch.key, batch.value, cache, meta)
-    ref = reference_attention(batch, head_size**-0.5, None, None, torch.float32)
+    out, ref, _, _ = run_triton(ctx, [1] * n, 8, 2, longest_first=True,
+                                order=torch.full((n,), 3, dtype=torch.int64))
     torch.testing.assert_close(out[3].double(), ref[3], atol=1e-5, rtol=1e-5)
     assert (out[torch.arange(n) != 3] == 7.0).all()
 
