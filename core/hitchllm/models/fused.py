@@ -40,6 +40,11 @@ def set_fusion(enabled: bool) -> None:
     _fusion_enabled = enabled
 
 
+def fusion_enabled() -> bool:
+    """Whether ``set_fusion`` left fusion on (the default)."""
+    return _fusion_enabled
+
+
 def register_device_kernels(device_type: str, kernels: dict[str, Callable[..., Any]]) -> None:
     """Run ``kernels[name]`` in place of the function ``name`` below (``rms_norm``,
     ``add_rms_norm``, ``rotary``, ``qk_norm_rotary``, ``silu_and_mul``) when its first

@@ -39,10 +39,11 @@ from hitchllm.layers import (
     load_named_weights,
 )
 from hitchllm.layers.loading import Route, Stacking
-from hitchllm.models import fused
+from hitchllm.models import fused, split_k
 from hitchllm.models.norm import RMSNorm
 from hitchllm.models.pipeline import AbsentLayer, StageLayout
 from hitchllm.models.rope import RotaryEmbedding
+from hitchllm.models.split_k import SplitSum
 
 # The checkpoint's embedding, which a tied LM head shares.
 _EMBEDDING = "model.embed_tokens.weight"
@@ -112,7 +113,11 @@ class LlamaAttention(nn.Module):
             sliding_window=config.sliding_window,
         )
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, split_sum: bool = False
+    ) -> torch.Tensor | SplitSum:
+        """The attention block's output; with ``split_sum``, possibly as ``o_proj``'s split
+        sums for the next ``RMSNorm.add_and_norm`` (``hitchllm.models.split_k``)."""
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
@@ -121,7 +126,8 @@ class LlamaAttention(nn.Module):
                                         self.q_norm.eps, self.rotary.cos, self.rotary.sin)
         else:
             q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q.flatten(1), k.flatten(1), v))
+        out = self.attn(q.flatten(1), k.flatten(1), v)
+        return split_k.project(self.o_proj, out) if split_sum else self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):
@@ -140,8 +146,11 @@ class LlamaMLP(nn.Module):
             prefix=f"{prefix}.down_proj",
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, split_sum: bool = False) -> torch.Tensor | SplitSum:
+        """The MLP's output; with ``split_sum``, possibly as ``down_proj``'s split sums (as
+        ``LlamaAttention.forward``)."""
+        h = fused.silu_and_mul(self.gate_up_proj(x))
+        return split_k.project(self.down_proj, h) if split_sum else self.down_proj(h)
 
 
 # (config, layer index, quant_config, prefix of the layer's "mlp") -> the layer's MLP module.
@@ -165,26 +174,41 @@ class PreNormDecoderLayer(nn.Module):
     self_attn: nn.Module
     post_attention_layernorm: RMSNorm
     mlp: nn.Module
+    # Whether ``self_attn`` and ``mlp`` take ``split_sum=True`` and may then return a
+    # ``SplitSum`` (``LlamaAttention``, ``LlamaMLP``), which the norm after them adds up.
+    attention_splits_sum = False
+    mlp_splits_sum = False
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, positions: torch.Tensor, hidden: torch.Tensor | SplitSum,
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | SplitSum, torch.Tensor]:
         """Returns ``(mlp output, residual stream)``; the next layer (or the final norm) adds
-        them. ``residual`` is None for the first layer, whose ``hidden`` is the embedding.
-        A kernel attached as ``LAYER_KERNEL`` is tried first (see its contract)."""
+        them (the output may be a ``SplitSum``, which ``RMSNorm.add_and_norm`` takes).
+        ``residual`` is None for the first layer, whose ``hidden`` is the embedding. A kernel
+        attached as ``LAYER_KERNEL`` is tried first (see its contract)."""
         kernel = self.__dict__.get(LAYER_KERNEL)
         if (kernel is not None and distributed.tp_world_size() == 1
                 and not torch.is_grad_enabled() and current_split_attention() is None):
-            out = kernel(positions, hidden, residual)
+            out = kernel(positions, _materialized(hidden), residual)
             if out is not None:
                 return out
         if residual is None:
-            normed, residual = self.input_layernorm(hidden), hidden
+            normed, residual = self.input_layernorm(_materialized(hidden)), _materialized(hidden)
         else:
             normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        attn_out = self.self_attn(positions, normed)
+        if self.attention_splits_sum:
+            attn_out = self.self_attn(positions, normed, split_sum=True)
+        else:
+            attn_out = self.self_attn(positions, normed)
         normed, residual = self.post_attention_layernorm.add_and_norm(attn_out, residual)
+        if self.mlp_splits_sum:
+            return self.mlp(normed, split_sum=True), residual
         return self.mlp(normed), residual
+
+
+def _materialized(hidden: torch.Tensor | SplitSum) -> torch.Tensor:
+    return hidden.total() if isinstance(hidden, SplitSum) else hidden
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):
@@ -202,6 +226,8 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
                                         f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = make_mlp(config, layer_index, quant_config, f"{prefix}.mlp")
+        self.attention_splits_sum = True
+        self.mlp_splits_sum = isinstance(self.mlp, LlamaMLP)
 
 
 class PreNormDecoder(nn.Module):
@@ -230,6 +256,7 @@ class PreNormDecoder(nn.Module):
         for layer in layers:
             hidden, residual = layer(positions, hidden, residual)
         if stage is not None and not stage.is_last:
+            hidden = _materialized(hidden)
             stage.send(hidden, residual)
             return hidden
         return self.norm.add_and_norm(hidden, residual)[0]

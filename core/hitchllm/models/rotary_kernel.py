@@ -3,14 +3,15 @@ Triton kernel on CUDA.
 
 ``torch.compile`` turns ``fused.qk_norm_rotary`` into four kernels (a reduction and a
 pointwise pass for queries and for keys, with dynamic shapes): on an H100 about 7.6 us a
-layer at 64 decode tokens and 0.5 ms at 8,192 prompt tokens, where this kernel took 2.3 us
-and 35 us (measured before bf16 rounded with integer masks, below). One program takes one
+layer at 64 decode tokens and 0.5 ms at 8,192 prompt tokens, where this kernel takes 2.6 us
+and 44 us (``benchmarks/rotary_kernel.py``). One program takes one
 token: every query and key head of it, normalized (when weights are given) and rotated,
 written to new contiguous tensors.
 
 The arithmetic is ``fused``'s, rounding where it rounds: statistics in float32, the normalized
 value rounded to the model dtype before the weight multiplies it, the float32 cos/sin tables
-rounded to the model dtype, and each product and sum of the rotation rounded. bfloat16 and
+rounded to the model dtype, and each product and sum of the rotation rounded
+(``hitchllm.models.rounding``). bfloat16 and
 float32 only: compiled for sm_90, float16's products fold into fused multiply-adds that skip
 their roundings, so float16 stays on the compiled route. Positions must lie within the tables
 (the engine's do); they are not checked on the device.
@@ -22,27 +23,15 @@ import torch
 import triton
 import triton.language as tl
 
+from hitchllm.models.rounding import round_to
+
 _DTYPES = (torch.bfloat16, torch.float32)
-
-
-@triton.jit
-def _round(x, dt: tl.constexpr):
-    """``x`` (float32) rounded to ``dt`` and back. bfloat16 by integer arithmetic (round to
-    nearest even on the bits; NaN kept as it is): compiled for sm_90,
-    ``x.to(bf16).to(float32)`` lost its rounding in some of the expressions below (17% of the
-    values differed from PyTorch's), and Triton's interpreter truncates where it converts."""
-    if dt == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
-    else:
-        return x
 
 
 @triton.jit
 def _heads(x_ptr, out_ptr, w_ptr, c, s, token, stride_t, stride_h, eps,
            HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr,
-           HALF_PAD: tl.constexpr, NORM: tl.constexpr):
+           HALF_PAD: tl.constexpr, NORM: tl.constexpr, PTX: tl.constexpr):
     """Normalize (``NORM``) and rotate the ``HEADS`` heads of one token."""
     h = tl.arange(0, HEADS_PAD)
     d = tl.arange(0, HALF_PAD)
@@ -55,13 +44,13 @@ def _heads(x_ptr, out_ptr, w_ptr, c, s, token, stride_t, stride_h, eps,
         inv = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
         w1 = tl.load(w_ptr + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
         w2 = tl.load(w_ptr + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
-        x1 = _round(w1 * _round(x1 * inv, dt), dt)
-        x2 = _round(w2 * _round(x2 * inv, dt), dt)
-    out1 = _round(x1 * c, dt) - _round(x2 * s, dt)
-    out2 = _round(x2 * c, dt) + _round(x1 * s, dt)
+        x1 = round_to(w1 * round_to(x1 * inv, dt, PTX), dt, PTX)
+        x2 = round_to(w2 * round_to(x2 * inv, dt, PTX), dt, PTX)
+    out1 = round_to(x1 * c, dt, PTX) - round_to(x2 * s, dt, PTX)
+    out2 = round_to(x2 * c, dt, PTX) + round_to(x1 * s, dt, PTX)
     dst = out_ptr + token * (HEADS * 2 * HALF) + h[:, None] * (2 * HALF) + d[None, :]
-    tl.store(dst, _round(out1, dt).to(dt), mask=mask)
-    tl.store(dst + HALF, _round(out2, dt).to(dt), mask=mask)
+    tl.store(dst, round_to(out1, dt, PTX).to(dt), mask=mask)
+    tl.store(dst + HALF, round_to(out2, dt, PTX).to(dt), mask=mask)
 
 
 @triton.jit
@@ -69,18 +58,18 @@ def _norm_rotary_kernel(
     pos_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, eps,
     Q_HEADS: tl.constexpr, Q_PAD: tl.constexpr, K_HEADS: tl.constexpr, K_PAD: tl.constexpr,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr, NORM: tl.constexpr,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, NORM: tl.constexpr, PTX: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     d = tl.arange(0, HALF_PAD)
     dt = q_out_ptr.dtype.element_ty
-    c = _round(tl.load(cos_ptr + pos * HALF + d, mask=d < HALF, other=0.0), dt)
-    s = _round(tl.load(sin_ptr + pos * HALF + d, mask=d < HALF, other=0.0), dt)
+    c = round_to(tl.load(cos_ptr + pos * HALF + d, mask=d < HALF, other=0.0), dt, PTX)
+    s = round_to(tl.load(sin_ptr + pos * HALF + d, mask=d < HALF, other=0.0), dt, PTX)
     _heads(q_ptr, q_out_ptr, q_w_ptr, c[None, :], s[None, :], token, stride_qt, stride_qh, eps,
-           Q_HEADS, Q_PAD, HALF, HALF_PAD, NORM)
+           Q_HEADS, Q_PAD, HALF, HALF_PAD, NORM, PTX)
     _heads(k_ptr, k_out_ptr, k_w_ptr, c[None, :], s[None, :], token, stride_kt, stride_kh, eps,
-           K_HEADS, K_PAD, HALF, HALF_PAD, NORM)
+           K_HEADS, K_PAD, HALF, HALF_PAD, NORM, PTX)
 
 
 def _launch(
@@ -118,7 +107,7 @@ def _launch(
         cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), eps,
         Q_HEADS=q_heads, Q_PAD=triton.next_power_of_2(q_heads), K_HEADS=k_heads,
         K_PAD=triton.next_power_of_2(k_heads), HALF=head_dim // 2,
-        HALF_PAD=triton.next_power_of_2(head_dim // 2), NORM=norm, num_warps=4,
+        HALF_PAD=triton.next_power_of_2(head_dim // 2), NORM=norm, PTX=q.is_cuda, num_warps=4,
     )
     return q_out, k_out
 

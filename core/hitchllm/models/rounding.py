@@ -1,0 +1,32 @@
+"""Rounding a float32 value to bfloat16 and back inside a Triton kernel, where PyTorch's
+op-by-op arithmetic rounds (``hitchllm.models.rotary_kernel``, ``hitchllm.models.split_k``).
+
+Compiled for sm_90, Triton folded ``x.to(tl.bfloat16).to(tl.float32)`` away in some
+expressions (into fused multiply-adds over the unrounded value: 17% of a kernel's bf16 outputs
+differed from PyTorch's on an H100), so on a GPU the conversion pair is one piece of inline PTX
+the compiler cannot see through; Triton's interpreter (which truncates where it converts and
+runs no PTX) rounds with integer masks on the bits instead. Both round to nearest even and keep
+NaNs NaN.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def round_to(x, dt: tl.constexpr, PTX: tl.constexpr):
+    """``x`` (float32) rounded to ``dt`` and back (unchanged unless ``dt`` is bfloat16).
+    ``PTX``: the kernel runs on an NVIDIA GPU (else in the interpreter)."""
+    if dt == tl.bfloat16:
+        if PTX:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b16 h; cvt.rn.bf16.f32 h, $1; cvt.f32.bf16 $0, h; }",
+                "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+        else:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+    else:
+        return x
