@@ -22,10 +22,10 @@ def _op_by_op(split, residual, weight, eps=1e-6):
     return fused._normalize(total, weight, eps), total
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 64, 100, 256])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 64, 100, 128])
 def test_partial_sums_add_up_to_the_product(rows):
-    """Every tile configuration (1-16, 17-64, 65-128, 129-256 rows), rows that do not fill a
-    tile, against float64."""
+    """Every tile configuration (1-16, 17-64, 65-128 rows), rows that do not fill a tile,
+    against float64."""
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 512, generator=g)
     w = torch.randn(128, 512, generator=g) * 0.05
@@ -131,7 +131,7 @@ def test_a_model_with_split_sums_generates_as_without(tmp_path, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("rows", [1, 16, 64, 128, 256])
+@pytest.mark.parametrize("rows", [1, 16, 17, 64, 100, 128])
 @pytest.mark.parametrize("inner", [2048, 3072])
 def test_gpu_bf16_no_further_from_float64_than_cublas(rows, inner):
     """Qwen3-0.6B's o_proj and down_proj shapes in bf16: the split sums' output (rounded to
