@@ -27,7 +27,8 @@ def main() -> None:
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     header = ("| projection | rows | cuBLAS + norm us/layer | split sums + norm us/layer | "
-              "speed-up | max error vs float64, cuBLAS | split sums |\n|---|---|---|---|---|---|---|")
+              "speed-up | max error vs float64, cuBLAS | split sums |\n"
+              "|---|---|---|---|---|---|---|")
     lines = [*entry_heading("o_proj / down_proj + add-and-norm at decode sizes, Qwen3-0.6B, bf16",
                             "python benchmarks/split_k.py"), header]
     print(header)
