@@ -4,16 +4,17 @@ them add up, on CUDA: two Triton kernels where cuBLAS and the norm took two as w
 faster ones.
 
 At decode sizes these projections read little weight (4-6 MB for Qwen3-0.6B) into few output
-columns (1,024), and cuBLAS spreads them over too few tiles: on an H100 at 16-256 rows it took
-5.2-7.9 us where the weights read in 1.4-2.1 us. ``partial_sums`` splits the inner dimension
-over ``S`` programs per output tile, each writing its float32 partial product, and
-``add_rms_norm`` (one program per row) sums the ``S`` parts in split order, rounds the sum to the
-model dtype (the projection's output), then adds the residual and normalizes as
-``fused.add_rms_norm`` does. Projection and norm together, H100, Qwen3-0.6B shapes, in CUDA
-graphs (``benchmarks/split_k.py``): ``o_proj`` 7.6-9.6 us -> 5.4-7.6 us, ``down_proj`` 8.7-10.6
-us -> 5.6-9.3 us at 16-256 rows. The sums are deterministic (no atomics): the same rows give
-the same bits at any batch size of the same tile configuration, and the engine pads eager
-decode batches to the graph sizes, so graph and eager runs agree.
+columns (1,024), and cuBLAS spreads them over too few tiles: on an H100 at 1-128 rows it took
+5-8 us where the weights read in 1.4-2.1 us. ``partial_sums`` splits the inner dimension over
+``S`` programs per output tile, each writing its float32 partial product, and ``add_rms_norm``
+(one program per row) sums the ``S`` parts in split order, rounds the sum to the model dtype
+(the projection's output), then adds the residual and normalizes as ``fused.add_rms_norm``
+does. Projection and norm together, H100, Qwen3-0.6B shapes, weights from memory, CUDA graphs
+(``benchmarks/split_k.py``): ``o_proj`` 8.1-8.7 -> 6.7-7.6 us, ``down_proj`` 10.1-11.2 ->
+8.0-8.7 us at 1-128 rows; whole runs gained 0.6-0.8%, decode steps of 1-63 requests 2.5-6%
+(RESULTS.md). The sums are deterministic (no atomics): a row's bits depend only on the tile
+configuration, which depends only on the step's row count, and the engine pads eager decode
+batches to the graph sizes, so graph and eager runs agree.
 
 The engine takes this route for bfloat16, unquantized, bias-free projections without LoRA in a
 world of one, from 1 to ``MAX_ROWS`` rows, when the shapes divide into the tiles below
