@@ -26,6 +26,7 @@ python3 -m hitchllm.entrypoints.cli backends --dtype bfloat16 2>&1 | tee "$out/b
 [ "${SKIP_TESTS:-0}" = 1 ] || python3 -m pytest -q -m gpu -p no:cacheprovider \
     tests/test_gpu_engine.py tests/test_gpu_graphs.py tests/test_triton_attention.py \
     tests/test_vendor_attention.py tests/test_sampler.py tests/test_rotary_kernel.py \
+    tests/test_split_k.py \
     2>&1 | tee "$out/gpu_tests.txt" | tail -5
 [ "${SKIP_BENCH:-0}" = 1 ] || python3 benchmarks/attention.py "$@" --results "$out/attention.md" \
     2>&1 | grep -v INFO | tee "$out/attention.txt"
