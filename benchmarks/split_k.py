@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import triton.testing
 from results_md import append_results, entry_heading
 
-from hitchllm.models import fused, split_k
+from hitchllm.models import fused, split_k, split_k_kernels
 
 
 def main() -> None:
@@ -47,7 +47,7 @@ def main() -> None:
 
             def split(x=x, residual=residual, weights=weights, norm_weight=norm_weight):
                 for w in weights:
-                    split_k.add_rms_norm(split_k.partial_sums(x, w), residual, norm_weight,
+                    split_k.add_rms_norm(split_k_kernels.partial_sums(x, w), residual, norm_weight,
                                          1e-6)
 
             times = [triton.testing.do_bench_cudagraph(f, rep=50) * 1e3 / layers
@@ -55,7 +55,7 @@ def main() -> None:
             exact = x.double() @ weights[0].double().T
             errors = [(y.double() - exact).abs().max().item()
                       for y in (F.linear(x, weights[0]),
-                                split_k.partial_sums(x, weights[0]).total())]
+                                split_k_kernels.partial_sums(x, weights[0]).total())]
             line = (f"| {name} | {rows} | {times[0]:.2f} | {times[1]:.2f} | "
                     f"{times[0] / times[1]:.2f}x | {errors[0]:.2g} | {errors[1]:.2g} |")
             print(line, flush=True)

@@ -10,7 +10,8 @@ import torch
 
 from hitchllm import LLM, SamplingParams
 from hitchllm.layers.linear import RowParallelLinear
-from hitchllm.models import fused, split_k
+from hitchllm.layers.method import UnquantizedLinearMethod
+from hitchllm.models import fused, split_k, split_k_kernels
 from hitchllm.tiny_model import build_tiny_checkpoint
 
 GPU = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -29,9 +30,9 @@ def test_partial_sums_add_up_to_the_product(rows):
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 512, generator=g)
     w = torch.randn(128, 512, generator=g) * 0.05
-    split = split_k.partial_sums(x, w)
+    split = split_k_kernels.partial_sums(x, w)
     assert split is not None and split.parts.shape[1:] == (rows, 128)
-    assert split.parts.shape[0] == split_k._tiles(rows).splits
+    assert split.parts.shape[0] == split_k_kernels.tiles(rows).splits
     want = x.double() @ w.double().T
     torch.testing.assert_close(split.parts.double().sum(0), want, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(split.total().double(), want, atol=1e-4, rtol=1e-5)
@@ -40,12 +41,18 @@ def test_partial_sums_add_up_to_the_product(rows):
 def test_partial_sums_decline_what_the_tiles_do_not_cover():
     x = torch.randn(8, 512)
     w = torch.randn(128, 512)
-    assert split_k.partial_sums(x[:0], w) is None
-    assert split_k.partial_sums(torch.randn(split_k.MAX_ROWS + 1, 512), w) is None
-    assert split_k.partial_sums(x, torch.randn(100, 512)) is None  # columns
-    assert split_k.partial_sums(x[:, :192], w[:, :192]) is None  # inner size
-    assert split_k.partial_sums(x.T.contiguous().T, w) is None  # strided columns
-    assert split_k.partial_sums(x.double(), w) is None  # dtypes differ
+    partial_sums = split_k_kernels.partial_sums
+    assert partial_sums(x, w) is not None
+    assert partial_sums(x[:0], w) is None
+    assert partial_sums(torch.randn(split_k.MAX_ROWS + 1, 512), w) is None
+    assert partial_sums(x, torch.randn(100, 512)) is None  # columns not a tile multiple
+    assert partial_sums(torch.randn(8, 192), torch.randn(128, 192)) is None  # inner size
+    assert partial_sums(torch.randn(8, 512), torch.randn(2048, 512)) is None  # columns cap
+    assert partial_sums(torch.randn(8, 8192), torch.randn(128, 8192)) is None  # inner cap
+    assert partial_sums(x.T.contiguous().T, w) is None  # strided columns
+    assert partial_sums(x, w.T.contiguous().T) is None  # strided weight
+    assert partial_sums(x.double(), w) is None  # dtypes differ
+    assert partial_sums(x.half(), w.half()) is None  # float16: no roundings for it
 
 
 @pytest.mark.parametrize("device", ["cpu", GPU])
@@ -72,6 +79,8 @@ def test_add_norm_kernel_matches_pytorch(device, dtype):
 
 
 def test_add_norm_takes_a_strided_residual_and_falls_back_for_other_dtypes():
+    """A residual with a row stride (a view); weights of another dtype, and float16, go to
+    ``fused.add_rms_norm`` of the summed parts."""
     g = torch.Generator().manual_seed(1)
     parts = torch.randn(2, 4, 64, generator=g)
     wide = torch.randn(4, 128, generator=g)
@@ -83,6 +92,11 @@ def test_add_norm_takes_a_strided_residual_and_falls_back_for_other_dtypes():
     got = split_k.add_rms_norm(split, wide[:, :64], weight.double(), 1e-6)
     for a, b in zip(got, fused.add_rms_norm(split.total(), wide[:, :64], weight.double(), 1e-6)):
         torch.testing.assert_close(a, b)
+    half = split_k.SplitSum(parts, torch.float16)  # the kernel rounds bf16 only: PyTorch's path
+    got = split_k.add_rms_norm(half, wide[:, :64].half(), weight.half(), 1e-6)
+    for a, b in zip(got, _op_by_op(half, wide[:, :64].half(), weight.half())):
+        assert a.dtype == torch.float16
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
 def test_project_runs_the_layer_off_cuda():
@@ -114,7 +128,7 @@ def test_a_model_with_split_sums_generates_as_without(tmp_path, monkeypatch):
     calls = []
 
     def forced(proj, x):
-        split = split_k.partial_sums(x, proj.weight)
+        split = split_k_kernels.partial_sums(x, proj.weight)
         calls.append(split is not None)
         return split if split is not None else proj(x)
 
@@ -147,3 +161,69 @@ def test_gpu_bf16_no_further_from_float64_than_cublas(rows, inner):
         ours = (split.total().double() - exact).abs().max()
         cublas = (proj(x).double() - exact).abs().max()
     assert ours <= 1.25 * cublas, (ours, cublas)
+
+
+class _Wrapped(UnquantizedLinearMethod):
+    """A linear method of another type around the same weight (as LoRA's wraps one)."""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_project_declines_what_the_route_does_not_take():
+    """Bias, fusion off, autograd, another linear method, float16 and a projection larger than
+    the measured shapes all run the layer itself."""
+    def layer(bias=False, columns=1024):
+        proj = RowParallelLinear(2048, columns, bias=bias).cuda().bfloat16()
+        proj.weight.data.normal_(0, 0.02)
+        return proj
+
+    x = torch.randn(16, 2048, device="cuda").bfloat16()
+    with torch.inference_mode():
+        assert isinstance(split_k.project(layer(), x), split_k.SplitSum)
+        assert isinstance(split_k.project(layer(bias=True), x), torch.Tensor)
+        assert isinstance(split_k.project(layer(columns=2048), x), torch.Tensor)
+        assert isinstance(split_k.project(layer().half(), x.half()), torch.Tensor)
+        wrapped = layer()
+        wrapped.linear_method = _Wrapped()
+        assert isinstance(split_k.project(wrapped, x), torch.Tensor)
+        fused.set_fusion(False)
+        try:
+            assert isinstance(split_k.project(layer(), x), torch.Tensor)
+        finally:
+            fused.set_fusion(True)
+    with torch.enable_grad():
+        assert isinstance(split_k.project(layer(), x.clone().requires_grad_()), torch.Tensor)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_graphs_equal_eager_runs_on_the_split_route(tmp_path, monkeypatch):
+    """A bf16 model whose projections take the route (hidden 256, 8 x 32 heads, MLP 512):
+    decode graphs and graph pieces give the tokens of the same padded steps run eagerly,
+    greedy and seeded (the logits must match exactly), and the route is taken."""
+    path = str(build_tiny_checkpoint(tmp_path / "m", "Qwen3ForCausalLM", hidden_size=256,
+                                     num_attention_heads=8, num_key_value_heads=4, head_dim=32,
+                                     intermediate_size=512, num_hidden_layers=2))
+    taken = []
+    partial_sums = split_k_kernels.partial_sums
+    monkeypatch.setattr(split_k_kernels, "partial_sums",
+                        lambda x, w: taken.append(x.shape[0]) or partial_sums(x, w))
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (3, 57, 20, 9, 31)]
+    kwargs = dict(device="cuda", dtype="bfloat16", attention_backend="TRITON_ATTN",
+                  max_num_batched_tokens=64)
+    eager = LLM(path, enforce_eager=True, **kwargs)
+    graphs = LLM(path, **kwargs)
+    assert graphs.engine.executor.runner.graphs.captured
+
+    def run(llm: LLM, temperature: float) -> list[list[int]]:
+        params = [SamplingParams(temperature=temperature, seed=i if temperature else None,
+                                 max_tokens=6 + 4 * i, ignore_eos=True)
+                  for i in range(len(prompts))]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                            use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    for temperature in (0.0, 1.0):
+        assert run(graphs, temperature) == run(eager, temperature)
+    assert taken

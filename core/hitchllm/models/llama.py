@@ -190,11 +190,13 @@ class PreNormDecoderLayer(nn.Module):
         kernel = self.__dict__.get(LAYER_KERNEL)
         if (kernel is not None and distributed.tp_world_size() == 1
                 and not torch.is_grad_enabled() and current_split_attention() is None):
-            out = kernel(positions, _materialized(hidden), residual)
+            hidden = _materialized(hidden)
+            out = kernel(positions, hidden, residual)
             if out is not None:
                 return out
         if residual is None:
-            normed, residual = self.input_layernorm(_materialized(hidden)), _materialized(hidden)
+            residual = _materialized(hidden)
+            normed = self.input_layernorm(residual)
         else:
             normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
         if self.attention_splits_sum:
@@ -227,7 +229,7 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = make_mlp(config, layer_index, quant_config, f"{prefix}.mlp")
         self.attention_splits_sum = True
-        self.mlp_splits_sum = isinstance(self.mlp, LlamaMLP)
+        self.mlp_splits_sum = type(self.mlp).forward is LlamaMLP.forward
 
 
 class PreNormDecoder(nn.Module):

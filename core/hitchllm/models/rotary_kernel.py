@@ -2,11 +2,11 @@
 Triton kernel on CUDA.
 
 ``torch.compile`` turns ``fused.qk_norm_rotary`` into four kernels (a reduction and a
-pointwise pass for queries and for keys, with dynamic shapes): on an H100 about 7.6 us a
-layer at 64 decode tokens and 0.5 ms at 8,192 prompt tokens, where this kernel takes 2.6 us
-and 44 us (``benchmarks/rotary_kernel.py``). One program takes one
-token: every query and key head of it, normalized (when weights are given) and rotated,
-written to new contiguous tensors.
+pointwise pass for queries and for keys, with dynamic shapes): in the engine's profiles on an
+H100 about 7.6 us a layer at 64 decode tokens and 0.5 ms at 8,192 prompt tokens; alone
+(``benchmarks/rotary_kernel.py``, H100) 21.8 and 524 us against this kernel's 2.7 and 43 us.
+One program takes one token: every query and key head of it, normalized (when weights are
+given) and rotated, written to new contiguous tensors.
 
 The arithmetic is ``fused``'s, rounding where it rounds: statistics in float32, the normalized
 value rounded to the model dtype before the weight multiplies it, the float32 cos/sin tables
@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hitchllm.models.rounding import round_to
+from hitchllm.models.rounding import ptx_rounding, round_to
 
 _DTYPES = (torch.bfloat16, torch.float32)
 
@@ -107,7 +107,8 @@ def _launch(
         cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), eps,
         Q_HEADS=q_heads, Q_PAD=triton.next_power_of_2(q_heads), K_HEADS=k_heads,
         K_PAD=triton.next_power_of_2(k_heads), HALF=head_dim // 2,
-        HALF_PAD=triton.next_power_of_2(head_dim // 2), NORM=norm, PTX=q.is_cuda, num_warps=4,
+        HALF_PAD=triton.next_power_of_2(head_dim // 2), NORM=norm, PTX=ptx_rounding(q),
+        num_warps=4,
     )
     return q_out, k_out
 

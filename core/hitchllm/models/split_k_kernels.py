@@ -1,0 +1,120 @@
+"""The Triton kernels of ``hitchllm.models.split_k`` (see there): split-K partial sums of
+``x @ weight.T``, and the residual add + RMSNorm that sums them."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from hitchllm.models.rounding import ptx_rounding, round_to
+from hitchllm.models.split_k import MAX_ROWS, SplitSum
+
+# The shapes measured (Qwen3-0.6B's o_proj 2048 -> 1024 and down_proj 3072 -> 1024); larger
+# projections have more output tiles and were not measured against cuBLAS.
+_MAX_COLUMNS = 1024
+_MAX_INNER = 4096
+_DTYPES = (torch.bfloat16, torch.float32)
+
+
+class _Tiles(NamedTuple):
+    rows: int  # BM
+    columns: int  # BN
+    inner: int  # BK
+    splits: int  # S
+    stages: int
+
+
+def tiles(rows: int) -> _Tiles:
+    """The tile configuration for a step of ``rows`` rows (the best of a sweep on an H100 with
+    the weights coming from memory; benchmarks/RESULTS.md)."""
+    if rows <= 16:
+        return _Tiles(16, 32, 64, 4, 4)
+    if rows <= 64:
+        return _Tiles(64, 32, 64, 4, 4)
+    return _Tiles(64, 64, 64, 4, 4)
+
+
+@triton.jit
+def _partials_kernel(x_ptr, w_ptr, parts_ptr, rows, columns, stride_x, stride_w, inner_per_split,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    split = tl.program_id(2)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = split * inner_per_split + tl.arange(0, BK)
+    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_x + rk[None, :]
+    w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_w + rk[:, None]
+    acc = tl.zeros((BM, BN), tl.float32)
+    for _ in range(0, inner_per_split, BK):
+        x = tl.load(x_ptrs, mask=rm[:, None] < rows, other=0.0)
+        w = tl.load(w_ptrs)
+        acc = tl.dot(x, w, acc, input_precision="ieee") if IEEE else tl.dot(x, w, acc)
+        x_ptrs += BK
+        w_ptrs += BK
+    out = parts_ptr + (split * rows + rm[:, None]).to(tl.int64) * columns + rn[None, :]
+    tl.store(out, acc, mask=rm[:, None] < rows)
+
+
+def partial_sums(x: torch.Tensor, weight: torch.Tensor) -> SplitSum | None:
+    """``x @ weight.T`` (``x`` [T, K], ``weight`` [N, K], both of one dtype, rows contiguous)
+    as a ``SplitSum``, or None where the shapes do not divide into the tiles."""
+    rows, inner = x.shape
+    columns = weight.shape[0]
+    if not 0 < rows <= MAX_ROWS or columns > _MAX_COLUMNS or inner > _MAX_INNER:
+        return None
+    t = tiles(rows)
+    if columns % t.columns or inner % (t.splits * t.inner) or x.stride(1) != 1 \
+            or not weight.is_contiguous() or weight.shape[1] != inner \
+            or x.dtype != weight.dtype or x.dtype not in _DTYPES:
+        return None
+    parts = torch.empty(t.splits, rows, columns, dtype=torch.float32, device=x.device)
+    grid = (columns // t.columns, triton.cdiv(rows, t.rows), t.splits)
+    _partials_kernel[grid](x, weight, parts, rows, columns, x.stride(0), weight.stride(0),
+                           inner // t.splits, BM=t.rows, BN=t.columns, BK=t.inner,
+                           IEEE=x.dtype == torch.float32, num_warps=4, num_stages=t.stages)
+    return SplitSum(parts, x.dtype)
+
+
+@triton.jit
+def _add_norm_kernel(parts_ptr, residual_ptr, weight_ptr, out_ptr, total_ptr, rows, columns,
+                     stride_residual, eps, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+                     PTX: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    mask = c < columns
+    dt = out_ptr.dtype.element_ty
+    acc = tl.load(parts_ptr + row * columns + c, mask=mask, other=0.0)
+    for split in tl.static_range(1, SPLITS):
+        acc += tl.load(parts_ptr + (split * rows + row) * columns + c, mask=mask, other=0.0)
+    residual = tl.load(residual_ptr + row * stride_residual + c, mask=mask, other=0.0)
+    total = round_to(round_to(acc, dt, PTX) + residual.to(tl.float32), dt, PTX)
+    inv = tl.rsqrt(tl.sum(total * total, 0) / columns + eps)
+    weight = tl.load(weight_ptr + c, mask=mask, other=0.0).to(tl.float32)
+    normed = round_to(weight * round_to(total * inv, dt, PTX), dt, PTX)
+    tl.store(out_ptr + row * columns + c, normed.to(dt), mask=mask)
+    tl.store(total_ptr + row * columns + c, total.to(dt), mask=mask)
+
+
+def add_rms_norm(
+    split: SplitSum, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``split_k.add_rms_norm`` in one kernel, or None for arguments it does not take (float16,
+    mismatched dtypes, shapes or devices)."""
+    parts = split.parts
+    _, rows, columns = parts.shape
+    if not (split.dtype in _DTYPES and parts.dtype == torch.float32
+            and residual.shape == (rows, columns) and residual.dtype == split.dtype == weight.dtype
+            and residual.stride(1) == 1 and parts.is_contiguous() and weight.shape == (columns,)
+            and weight.is_contiguous() and residual.device == parts.device == weight.device):
+        return None
+    out = torch.empty(rows, columns, dtype=split.dtype, device=parts.device)
+    total = torch.empty_like(out)
+    _add_norm_kernel[(rows,)](parts, residual, weight, out, total, rows, columns,
+                              residual.stride(0), eps, SPLITS=parts.shape[0],
+                              BLOCK=triton.next_power_of_2(columns), PTX=ptx_rounding(parts),
+                              num_warps=4)
+    return out, total
