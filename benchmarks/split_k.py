@@ -14,17 +14,18 @@ import argparse
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 import triton.testing
 from results_md import append_results, entry_heading
 
-from hitchllm.models import fused, split_k, split_k_kernels
+from hitchllm.layers.linear import RowParallelLinear
+from hitchllm.models import fused, split_k
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path)
     args = parser.parse_args()
+    torch.set_grad_enabled(False)
     gen = torch.Generator(device="cuda").manual_seed(0)
     header = ("| projection | rows | cuBLAS + norm us/layer | split sums + norm us/layer | "
               "speed-up | max error vs float64, cuBLAS | split sums |\n"
@@ -34,28 +35,31 @@ def main() -> None:
     print(header)
     layers = 28
     for name, inner in (("o_proj", 2048), ("down_proj", 3072)):
-        weights = [torch.randn(1024, inner, device="cuda", generator=gen).bfloat16() * 0.02
-                   for _ in range(layers)]
+        projs = []
+        for _ in range(layers):
+            proj = RowParallelLinear(inner, 1024).cuda().bfloat16()
+            proj.weight.data.normal_(0, 0.02, generator=gen)
+            projs.append(proj)
         norm_weight = (torch.rand(1024, device="cuda", generator=gen) + 0.5).bfloat16()
         for rows in (1, 16, 64, 128):
             x = torch.randn(rows, inner, device="cuda", generator=gen).bfloat16()
             residual = torch.randn(rows, 1024, device="cuda", generator=gen).bfloat16()
 
-            def plain(x=x, residual=residual, weights=weights, norm_weight=norm_weight):
-                for w in weights:
-                    fused.add_rms_norm(F.linear(x, w), residual, norm_weight, 1e-6)
+            def plain(x=x, residual=residual, projs=projs, norm_weight=norm_weight):
+                for proj in projs:
+                    fused.add_rms_norm(proj(x), residual, norm_weight, 1e-6)
 
-            def split(x=x, residual=residual, weights=weights, norm_weight=norm_weight):
-                for w in weights:
-                    split_k.add_rms_norm(split_k_kernels.partial_sums(x, w), residual, norm_weight,
-                                         1e-6)
+            def split(x=x, residual=residual, projs=projs, norm_weight=norm_weight):
+                for proj in projs:
+                    split_k.add_rms_norm(split_k.project(proj, x), residual, norm_weight, 1e-6)
 
             times = [triton.testing.do_bench_cudagraph(f, rep=50) * 1e3 / layers
                      for f in (plain, split)]
-            exact = x.double() @ weights[0].double().T
+            exact = x.double() @ projs[0].weight.double().T
+            route = split_k.project(projs[0], x)
+            assert isinstance(route, split_k.SplitSum), "the split route did not apply"
             errors = [(y.double() - exact).abs().max().item()
-                      for y in (F.linear(x, weights[0]),
-                                split_k_kernels.partial_sums(x, weights[0]).total())]
+                      for y in (projs[0](x), route.total())]
             line = (f"| {name} | {rows} | {times[0]:.2f} | {times[1]:.2f} | "
                     f"{times[0] / times[1]:.2f}x | {errors[0]:.2g} | {errors[1]:.2g} |")
             print(line, flush=True)

@@ -30,9 +30,10 @@ def test_partial_sums_add_up_to_the_product(rows):
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 512, generator=g)
     w = torch.randn(128, 512, generator=g) * 0.05
-    split = split_k_kernels.partial_sums(x, w)
-    assert split is not None and split.parts.shape[1:] == (rows, 128)
-    assert split.parts.shape[0] == split_k_kernels.tiles(rows).splits
+    parts = split_k_kernels.partial_sums(x, w)
+    assert parts is not None and parts.shape[1:] == (rows, 128)
+    assert parts.shape[0] == split_k_kernels.tiles(rows).splits
+    split = split_k.SplitSum(parts, torch.float32)
     want = x.double() @ w.double().T
     torch.testing.assert_close(split.parts.double().sum(0), want, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(split.total().double(), want, atol=1e-4, rtol=1e-5)
@@ -44,7 +45,6 @@ def test_partial_sums_decline_what_the_tiles_do_not_cover():
     partial_sums = split_k_kernels.partial_sums
     assert partial_sums(x, w) is not None
     assert partial_sums(x[:0], w) is None
-    assert partial_sums(torch.randn(split_k.MAX_ROWS + 1, 512), w) is None
     assert partial_sums(x, torch.randn(100, 512)) is None  # columns not a tile multiple
     assert partial_sums(torch.randn(8, 192), torch.randn(128, 192)) is None  # inner size
     assert partial_sums(torch.randn(8, 512), torch.randn(2048, 512)) is None  # columns cap
@@ -128,9 +128,9 @@ def test_a_model_with_split_sums_generates_as_without(tmp_path, monkeypatch):
     calls = []
 
     def forced(proj, x):
-        split = split_k_kernels.partial_sums(x, proj.weight)
-        calls.append(split is not None)
-        return split if split is not None else proj(x)
+        parts = split_k_kernels.partial_sums(x, proj.weight)
+        calls.append(parts is not None)
+        return split_k.SplitSum(parts, x.dtype) if parts is not None else proj(x)
 
     monkeypatch.setattr(split_k, "project", forced)
     split = run()
@@ -170,8 +170,8 @@ class _Wrapped(UnquantizedLinearMethod):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_project_declines_what_the_route_does_not_take():
-    """Bias, fusion off, autograd, another linear method, float16 and a projection larger than
-    the measured shapes all run the layer itself."""
+    """Bias, fusion off, autograd, another linear method, float16, more than ``MAX_ROWS`` rows
+    and a projection larger than the measured shapes all run the layer itself."""
     def layer(bias=False, columns=1024):
         proj = RowParallelLinear(2048, columns, bias=bias).cuda().bfloat16()
         proj.weight.data.normal_(0, 0.02)
@@ -182,6 +182,8 @@ def test_gpu_project_declines_what_the_route_does_not_take():
         assert isinstance(split_k.project(layer(), x), split_k.SplitSum)
         assert isinstance(split_k.project(layer(bias=True), x), torch.Tensor)
         assert isinstance(split_k.project(layer(columns=2048), x), torch.Tensor)
+        rows = torch.randn(split_k.MAX_ROWS + 1, 2048, device="cuda").bfloat16()
+        assert isinstance(split_k.project(layer(), rows), torch.Tensor)
         assert isinstance(split_k.project(layer().half(), x.half()), torch.Tensor)
         wrapped = layer()
         wrapped.linear_method = _Wrapped()

@@ -63,7 +63,7 @@ def add_rms_norm(
     same kernel."""
     from hitchllm.models import split_k_kernels
 
-    out = split_k_kernels.add_rms_norm(split, residual, weight, eps)
+    out = split_k_kernels.add_rms_norm(split.parts, split.dtype, residual, weight, eps)
     return out if out is not None else fused.add_rms_norm(split.total(), residual, weight, eps)
 
 
@@ -72,12 +72,13 @@ def project(proj: RowParallelLinear, x: torch.Tensor) -> torch.Tensor | SplitSum
     on, an unquantized projection (no LoRA) without bias on one tensor-parallel rank, no
     autograd, 1-``MAX_ROWS`` rows and shapes that divide into the tiles."""
     if (x.is_cuda and torch.version.hip is None and x.dtype == torch.bfloat16 and x.dim() == 2
-            and fused.fusion_enabled() and proj.bias is None and proj.tp_size == 1
+            and x.shape[0] <= MAX_ROWS and fused.fusion_enabled() and proj.bias is None
+            and proj.tp_size == 1
             and type(proj.linear_method) is UnquantizedLinearMethod
             and not (torch.is_grad_enabled() and (x.requires_grad or proj.weight.requires_grad))):
         from hitchllm.models import split_k_kernels
 
-        split = split_k_kernels.partial_sums(x, proj.weight)
-        if split is not None:
-            return split
+        parts = split_k_kernels.partial_sums(x, proj.weight)
+        if parts is not None:
+            return SplitSum(parts, x.dtype)
     return proj(x)

@@ -1,5 +1,6 @@
 """The Triton kernels of ``hitchllm.models.split_k`` (see there): split-K partial sums of
-``x @ weight.T``, and the residual add + RMSNorm that sums them."""
+``x @ weight.T`` (any number of rows; ``split_k`` caps them), and the residual add + RMSNorm
+that sums them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import triton
 import triton.language as tl
 
 from hitchllm.models.rounding import ptx_rounding, round_to
-from hitchllm.models.split_k import MAX_ROWS, SplitSum
 
 # The shapes measured (Qwen3-0.6B's o_proj 2048 -> 1024 and down_proj 3072 -> 1024); larger
 # projections have more output tiles and were not measured against cuBLAS.
@@ -59,12 +59,13 @@ def _partials_kernel(x_ptr, w_ptr, parts_ptr, rows, columns, stride_x, stride_w,
     tl.store(out, acc, mask=rm[:, None] < rows)
 
 
-def partial_sums(x: torch.Tensor, weight: torch.Tensor) -> SplitSum | None:
-    """``x @ weight.T`` (``x`` [T, K], ``weight`` [N, K], both of one dtype, rows contiguous)
-    as a ``SplitSum``, or None where the shapes do not divide into the tiles."""
+def partial_sums(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """``x @ weight.T`` (``x`` [T, K], ``weight`` [N, K], both bfloat16 or both float32, rows
+    contiguous) as float32 partial sums [S, T, N], or None where the shapes do not divide into
+    the tiles."""
     rows, inner = x.shape
     columns = weight.shape[0]
-    if not 0 < rows <= MAX_ROWS or columns > _MAX_COLUMNS or inner > _MAX_INNER:
+    if rows == 0 or columns > _MAX_COLUMNS or inner > _MAX_INNER:
         return None
     t = tiles(rows)
     if columns % t.columns or inner % (t.splits * t.inner) or x.stride(1) != 1 \
@@ -76,7 +77,7 @@ def partial_sums(x: torch.Tensor, weight: torch.Tensor) -> SplitSum | None:
     _partials_kernel[grid](x, weight, parts, rows, columns, x.stride(0), weight.stride(0),
                            inner // t.splits, BM=t.rows, BN=t.columns, BK=t.inner,
                            IEEE=x.dtype == torch.float32, num_warps=4, num_stages=t.stages)
-    return SplitSum(parts, x.dtype)
+    return parts
 
 
 @triton.jit
@@ -100,18 +101,18 @@ def _add_norm_kernel(parts_ptr, residual_ptr, weight_ptr, out_ptr, total_ptr, ro
 
 
 def add_rms_norm(
-    split: SplitSum, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    parts: torch.Tensor, dtype: torch.dtype, residual: torch.Tensor, weight: torch.Tensor,
+    eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``split_k.add_rms_norm`` in one kernel, or None for arguments it does not take (float16,
-    mismatched dtypes, shapes or devices)."""
-    parts = split.parts
+    """``split_k.add_rms_norm`` of the sums ``parts`` of a ``dtype`` output in one kernel, or
+    None for arguments it does not take (float16, mismatched dtypes, shapes or devices)."""
     _, rows, columns = parts.shape
-    if not (split.dtype in _DTYPES and parts.dtype == torch.float32
-            and residual.shape == (rows, columns) and residual.dtype == split.dtype == weight.dtype
+    if not (dtype in _DTYPES and parts.dtype == torch.float32
+            and residual.shape == (rows, columns) and residual.dtype == dtype == weight.dtype
             and residual.stride(1) == 1 and parts.is_contiguous() and weight.shape == (columns,)
             and weight.is_contiguous() and residual.device == parts.device == weight.device):
         return None
-    out = torch.empty(rows, columns, dtype=split.dtype, device=parts.device)
+    out = torch.empty(rows, columns, dtype=dtype, device=parts.device)
     total = torch.empty_like(out)
     _add_norm_kernel[(rows,)](parts, residual, weight, out, total, rows, columns,
                               residual.stride(0), eps, SPLITS=parts.shape[0],
