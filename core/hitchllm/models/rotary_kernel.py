@@ -11,10 +11,10 @@ given) and rotated, written to new contiguous tensors.
 The arithmetic is ``fused``'s, rounding where it rounds: statistics in float32, the normalized
 value rounded to the model dtype before the weight multiplies it, the float32 cos/sin tables
 rounded to the model dtype, and each product and sum of the rotation rounded
-(``hitchllm.models.rounding``). bfloat16 and
-float32 only: compiled for sm_90, float16's products fold into fused multiply-adds that skip
-their roundings, so float16 stays on the compiled route. Positions must lie within the tables
-(the engine's do); they are not checked on the device.
+(``hitchllm.models.rounding``). bfloat16 and float32 only: compiled for sm_90, float16's
+products fold into fused multiply-adds that skip their roundings, so float16 stays on the
+compiled route. Positions must lie within the tables (the engine's do); they are not checked
+on the device.
 """
 
 from __future__ import annotations
