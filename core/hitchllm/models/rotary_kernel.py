@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hitchllm.attention.dependent_launch import await_inputs, dependent_launch
 from hitchllm.models.rounding import ptx_rounding, round_to
 
 _DTYPES = (torch.bfloat16, torch.float32)
@@ -59,7 +60,9 @@ def _norm_rotary_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, eps,
     Q_HEADS: tl.constexpr, Q_PAD: tl.constexpr, K_HEADS: tl.constexpr, K_PAD: tl.constexpr,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, NORM: tl.constexpr, PTX: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     d = tl.arange(0, HALF_PAD)
@@ -102,13 +105,14 @@ def _launch(
     if tokens == 0:
         return q_out, k_out
     norm = q_weight is not None
+    pdl = dependent_launch(q)
     _norm_rotary_kernel[(tokens,)](
         positions, q, k, q_out, k_out, q_weight if norm else q, k_weight if norm else k,
         cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), eps,
         Q_HEADS=q_heads, Q_PAD=triton.next_power_of_2(q_heads), K_HEADS=k_heads,
         K_PAD=triton.next_power_of_2(k_heads), HALF=head_dim // 2,
         HALF_PAD=triton.next_power_of_2(head_dim // 2), NORM=norm, PTX=ptx_rounding(q),
-        num_warps=4,
+        PDL=pdl, num_warps=4, launch_pdl=pdl,
     )
     return q_out, k_out
 

@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hitchllm.attention.dependent_launch import await_inputs, dependent_launch
 from hitchllm.models.rounding import ptx_rounding, round_to
 
 # The shapes measured (Qwen3-0.6B's o_proj 2048 -> 1024 and down_proj 3072 -> 1024); larger
@@ -39,7 +40,9 @@ def tiles(rows: int) -> _Tiles:
 
 @triton.jit
 def _partials_kernel(x_ptr, w_ptr, parts_ptr, rows, columns, stride_x, stride_w, inner_per_split,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+                     PDL: tl.constexpr):
+    await_inputs(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     split = tl.program_id(2)
@@ -74,16 +77,19 @@ def partial_sums(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         return None
     parts = torch.empty(t.splits, rows, columns, dtype=torch.float32, device=x.device)
     grid = (columns // t.columns, triton.cdiv(rows, t.rows), t.splits)
+    pdl = dependent_launch(x)
     _partials_kernel[grid](x, weight, parts, rows, columns, x.stride(0), weight.stride(0),
                            inner // t.splits, BM=t.rows, BN=t.columns, BK=t.inner,
-                           IEEE=x.dtype == torch.float32, num_warps=4, num_stages=t.stages)
+                           IEEE=x.dtype == torch.float32, PDL=pdl, num_warps=4,
+                           num_stages=t.stages, launch_pdl=pdl)
     return parts
 
 
 @triton.jit
 def _add_norm_kernel(parts_ptr, residual_ptr, weight_ptr, out_ptr, total_ptr, rows, columns,
                      stride_residual, eps, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
-                     PTX: tl.constexpr):
+                     PTX: tl.constexpr, PDL: tl.constexpr):
+    await_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     mask = c < columns
@@ -114,8 +120,9 @@ def add_rms_norm(
         return None
     out = torch.empty(rows, columns, dtype=dtype, device=parts.device)
     total = torch.empty_like(out)
+    pdl = dependent_launch(parts)
     _add_norm_kernel[(rows,)](parts, residual, weight, out, total, rows, columns,
                               residual.stride(0), eps, SPLITS=parts.shape[0],
                               BLOCK=triton.next_power_of_2(columns), PTX=ptx_rounding(parts),
-                              num_warps=4)
+                              PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out, total

@@ -183,6 +183,7 @@ class TritonAttentionImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         metadata: TritonAttentionMetadata,
     ) -> torch.Tensor:
+        from hitchllm.attention.dependent_launch import dependent_launch
         from hitchllm_attention_triton import kernels
 
         num_tokens = metadata.num_tokens
@@ -193,12 +194,14 @@ class TritonAttentionImpl(AttentionImpl):
         fp8 = FP8_FORMATS.get(kv_cache.dtype)
         # Unused by the kernels when the cache is not fp8: any tensor will do.
         k_scale, v_scale = self._scales(query.device) if fp8 else (query, query)
+        pdl = dependent_launch(query)
         if num_tokens:
             fmt = {} if fp8 is None else dict(zip(("FP8_MAX", "MANT_BITS", "MIN_EXP"), fp8))
             kernels.write_kv_cache[(num_tokens,)](
                 key, value, kv_cache, metadata.slot_mapping, k_scale, v_scale,
                 key.stride(0), value.stride(0), kv_cache.stride(0),
                 TOKEN_SIZE=token_size, TOKEN_PAD=triton_next_pow2(token_size), **fmt,
+                PDL=pdl, launch_pdl=pdl,
             )
         out = torch.empty_like(query)
         if num_tokens == 0:
@@ -241,14 +244,14 @@ class TritonAttentionImpl(AttentionImpl):
             FP8=fp8 is not None, V_WORD=v_word,
             # Inline PTX unpacks fp8 words on NVIDIA GPUs; Triton's casts elsewhere.
             ASM_CVT=v_word > 1 and query.device.type == "cuda" and torch.version.hip is None,
-            LONGEST_FIRST=longest_first,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            LONGEST_FIRST=longest_first, PDL=pdl,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
         )
         if splits > 1:
             kernels.merge_splits[(num_tokens, self.num_heads)](
                 out, partial, lse, out.stride(0), out.stride(1), num_tokens, self.num_heads,
                 HEAD_DIM=self.head_size, HEAD_PAD=head_pad, NUM_SPLITS=splits,
-                SPLITS_PAD=max(2, triton_next_pow2(splits)),
+                SPLITS_PAD=max(2, triton_next_pow2(splits)), PDL=pdl, launch_pdl=pdl,
             )
         return out
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from hitchllm.attention.dependent_launch import await_inputs
 from hitchllm_attention_triton import fp8_words
 
 _LOG2E = 1.4426950408889634
@@ -72,12 +73,15 @@ def write_kv_cache(
     stride_key_t, stride_value_t, cache_kv_stride,
     TOKEN_SIZE: tl.constexpr, TOKEN_PAD: tl.constexpr,
     FP8_MAX: tl.constexpr = 0.0, MANT_BITS: tl.constexpr = 0, MIN_EXP: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     """One program per token: copy its [num_kv_heads * head_size] K and V to its slot.
 
     An fp8 cache (``FP8_MAX`` > 0: the format's largest finite value) stores
     ``clamp(K / k_scale)`` rounded to the format (and V likewise), as
-    ``hitchllm.attention.quantize_kv`` does; the scale pointers are unused otherwise."""
+    ``hitchllm.attention.quantize_kv`` does; the scale pointers are unused otherwise.
+    ``PDL``: launched with ``launch_pdl`` (``hitchllm.attention.dependent_launch``)."""
+    await_inputs(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
     if slot >= 0:
@@ -215,7 +219,9 @@ def paged_attention(
     USE_SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DECODE: tl.constexpr, FP8: tl.constexpr,
     V_WORD: tl.constexpr = 1, ASM_CVT: tl.constexpr = False, LONGEST_FIRST: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
+    await_inputs(PDL)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -356,9 +362,10 @@ def _store_output(
 def merge_splits(
     out_ptr, partial_out_ptr, partial_lse_ptr, stride_o_t, stride_o_h, num_tokens, num_heads,
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """One program per (token, head): combine the splits' partial outputs."""
+    await_inputs(PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
