@@ -14,7 +14,11 @@ know (``--variant NAME key=value ...``).
 
 Without nano-vllm's dependencies (``--no-peer``) only the hitchllm variants run. Prints one
 line per run and a summary (best and mean per engine, each variant's best over nano-vllm's
-best), and with ``--append-results`` appends every round to benchmarks/RESULTS.md.
+best), and with ``--append-results`` appends every round to benchmarks/RESULTS.md. Each
+hitchllm run also reports its start-up phases and what compiled during its timed generate
+(Triton kernels compiled or loaded from the disk cache, Dynamo graphs): one-time costs that
+the peer's protocol, one timed generate per process, counts. ``--warm-pass`` has it generate
+the workload once more in the same process (reported, not ranked) to show their size.
 """
 
 from __future__ import annotations
@@ -47,8 +51,55 @@ def parse_value(text: str) -> object:
         return text
 
 
-def run_child(peer: Path, model: str, engine_args: dict[str, object]) -> int:
-    """One timed hitchllm run on the peer workload (a fresh process)."""
+class CompileWatch:
+    """Kernels Triton compiled or loaded from its disk cache (``triton.knobs`` hooks: each
+    is a first launch of a specialization in this process) and Dynamo's recompiles, counted
+    between ``start`` and ``stop``: one-time costs that land in a timed generate."""
+
+    def __init__(self) -> None:
+        self.kernels = 0
+        self.kernel_s = 0.0
+        self._began: float | None = None
+        self._graphs = 0
+        try:
+            from triton import knobs
+        except ImportError:  # no Triton, or one without the hooks: kernels stay uncounted
+            return
+        knobs.runtime.jit_cache_hook = self._before
+        knobs.runtime.jit_post_compile_hook = self._after
+
+    def _before(self, *args: object, **kwargs: object) -> bool:
+        self._began = time.perf_counter()
+        return False  # compile as usual
+
+    def _after(self, *args: object, **kwargs: object) -> bool:
+        if self._began is not None:
+            self.kernels += 1
+            self.kernel_s += time.perf_counter() - self._began
+            self._began = None
+        return False
+
+    @staticmethod
+    def _dynamo_graphs() -> int:
+        from torch._dynamo.utils import counters
+
+        return counters["stats"]["unique_graphs"]
+
+    def start(self) -> None:
+        self.kernels, self.kernel_s = 0, 0.0
+        self._graphs = self._dynamo_graphs()
+
+    def stop(self, prefix: str = "") -> str:
+        """``key=value`` words for the RESULT line, each key starting with ``prefix``."""
+        return (f"{prefix}jit_kernels={self.kernels} {prefix}jit_s={self.kernel_s:.2f} "
+                f"{prefix}dynamo_graphs={self._dynamo_graphs() - self._graphs}")
+
+
+def run_child(peer: Path, model: str, engine_args: dict[str, object], warm_pass: bool) -> int:
+    """One timed hitchllm run on the peer workload (a fresh process). Besides the peer's
+    measure it reports the engine's start-up phases, what compiled during the timed generate,
+    and with ``warm_pass`` the same workload generated again in the same process (prompts
+    shifted by one id, so the prefix cache does not serve them)."""
     sys.path.insert(0, str(peer))
     from bench_pair import fingerprint, make_workload
 
@@ -59,23 +110,38 @@ def run_child(peer: Path, model: str, engine_args: dict[str, object]) -> int:
 
     from hitchllm import LLM, SamplingParams
 
+    watch = CompileWatch()
     kwargs = dict(block_size=16, dtype="bfloat16", max_model_len=4096) | engine_args
     start = time.perf_counter()
     llm = LLM(model, **kwargs)
     setup = time.perf_counter() - start
+    phases = ",".join(f"{name.replace(' ', '_')}:{sec:.1f}"
+                      for name, sec in llm.engine.startup_times.items())
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
     sync = torch.cuda.synchronize if llm.engine.device.type == "cuda" else (lambda: None)
     llm.generate(["Benchmark: "], SamplingParams(temperature=1.0, max_tokens=64), use_tqdm=False)
     sync()
+    watch.start()
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     sync()
     seconds = time.perf_counter() - start
+    compiled = watch.stop()
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     ok = produced == sum(max_tokens)
+    warm = ""
+    if warm_pass:
+        vocab = llm.engine.model_config.vocab_size
+        shifted = [{"prompt_token_ids": [(t + 1) % vocab for t in p]} for p in prompts]
+        watch.start()
+        start = time.perf_counter()
+        llm.generate(shifted, params, use_tqdm=False)
+        sync()
+        warm = f" warm_s={time.perf_counter() - start:.3f} {watch.stop('warm_')}"
     print(f"RESULT engine=hitchllm output_tokens={produced} seconds={seconds:.3f} "
           f"output_tok_s={produced / seconds:.1f} ok={str(ok).lower()} {work} "
-          f"setup_s={setup:.1f} attention={llm.engine.attention_backend.name}", flush=True)
+          f"setup_s={setup:.1f} attention={llm.engine.attention_backend.name} "
+          f"startup={phases} {compiled}{warm}", flush=True)
     return 0 if ok else 1
 
 
@@ -108,6 +174,9 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=300, help="seconds per engine run")
     parser.add_argument("--append-results", action="store_true")
     parser.add_argument("--results", type=Path, default=HERE / "RESULTS.md")
+    parser.add_argument("--warm-pass", action="store_true",
+                        help="hitchllm runs the workload a second time in the same process "
+                             "(reported, not ranked)")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # JSON engine arguments: one run
     args = parser.parse_args()
 
@@ -115,7 +184,7 @@ def main() -> int:
     if peer is None:
         parser.error("no peer folder with bench_pair.py (../shared/peer or .peer; or --peer)")
     if args.child is not None:
-        return run_child(peer, args.model, json.loads(args.child))
+        return run_child(peer, args.model, json.loads(args.child), args.warm_pass)
 
     variants = [(v[0], {k: parse_value(x) for k, _, x in (a.partition("=") for a in v[1:])})
                 for v in (args.variant or [["default"]])]
@@ -124,7 +193,8 @@ def main() -> int:
             parser.error(f"variant {name}: arguments are key=value")
     runs: list[tuple[str, list[str]]] = [
         (name, [sys.executable, __file__, "--model", args.model, "--peer", str(peer),
-                "--child", json.dumps(kw)]) for name, kw in variants]
+                "--child", json.dumps(kw), *(["--warm-pass"] if args.warm_pass else [])])
+        for name, kw in variants]
     if not args.no_peer:
         runs.append(("nano-vllm", [sys.executable, str(peer / "bench_pair.py"), "--engine",
                                    "nanovllm", "--model", args.model]))
@@ -152,6 +222,7 @@ def main() -> int:
                          for n, kw in variants)
         command = " ".join(["python benchmarks/peer_gpu.py --model MODEL_DIR",
                             f"--rounds {args.rounds}",
+                            *(["--warm-pass"] if args.warm_pass else []),
                             *("--variant " + " ".join(v) for v in args.variant or [])])
         append_results(args.results, entry_heading(
             "hitchllm vs nano-vllm, Qwen3-0.6B shape, nano-vllm's workload", command,
@@ -176,6 +247,7 @@ def summarize(rows: list[tuple[int, str, dict[str, str]]],
         lines.append(f"| {r} | {name} | {rate:,.0f} | {res['seconds']} | {res['output_tokens']} "
                      f"| {res.get('setup_s', '')} | {res['ok']} |")
     lines.append("")
+    lines += one_time_costs(rows)
     peer_best = best.get("nano-vllm")
     for name, _ in variants:
         if name in best:
@@ -186,6 +258,25 @@ def summarize(rows: list[tuple[int, str, dict[str, str]]],
     elif not no_peer:
         lines.append("- nano-vllm: no successful run")
     return lines
+
+
+def one_time_costs(rows: list[tuple[int, str, dict[str, str]]]) -> list[str]:
+    """A table of each hitchllm run's start-up phases, the kernels Triton compiled or loaded
+    and the Dynamo graphs compiled during its timed generate, and its warm pass (empty when
+    no run reported them)."""
+    runs = [(r, name, res) for r, name, res in rows if "jit_kernels" in res]
+    if not runs:
+        return []
+    lines = ["| round | engine | start-up phases s | timed generate: Triton kernels (s) "
+             "| Dynamo graphs | warm pass s | warm pass: Triton kernels (s) |",
+             "|---|---|---|---|---|---|---|"]
+    for r, name, res in runs:
+        phases = res.get("startup", "").replace("_", " ").replace(":", " ").replace(",", ", ")
+        warm = (f"{res['warm_s']} | {res['warm_jit_kernels']} ({res['warm_jit_s']})"
+                if "warm_s" in res else " | ")
+        lines.append(f"| {r} | {name} | {phases} | {res['jit_kernels']} ({res['jit_s']}) "
+                     f"| {res['dynamo_graphs']} | {warm} |")
+    return [*lines, ""]
 
 
 if __name__ == "__main__":

@@ -97,7 +97,7 @@ def test_peer_driver_runs_variants_on_the_peers_workload(tmp_path, qwen_path):
     out = subprocess.run(
         [sys.executable, str(BENCH_DIR / "peer_gpu.py"), "--model", str(qwen_path), "--peer",
          str(peer), "--rounds", "2", "--variant", "default", "--variant", "eager",
-         "enforce_eager=True", "--append-results", "--results", str(results)],
+         "enforce_eager=True", "--warm-pass", "--append-results", "--results", str(results)],
         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     runs = [line for line in out.stdout.splitlines() if line.startswith("round ")]
@@ -107,3 +107,11 @@ def test_peer_driver_runs_variants_on_the_peers_workload(tmp_path, qwen_path):
     text = results.read_text()
     assert "--variant eager enforce_eager=True" in text and "nano-vllm: best 5" in text
     assert "x nano-vllm's best" in text
+    # Each hitchllm run: its start-up phases, what compiled in the timed generate, the warm
+    # pass (a second generate of the workload in the same process).
+    costs = [line for line in text.splitlines()
+             if line.startswith(("| 1 | default", "| 2 | eager")) and "model" in line]
+    assert len(costs) == 2, text
+    assert all("KV cache sizing" in line and line.count("|") == 8 for line in costs), costs
+    warm = [float(line.split("|")[6]) for line in costs]
+    assert all(w > 0 for w in warm), costs
