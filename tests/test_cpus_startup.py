@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 from hitchllm.bundled_model import default_model_path
 from hitchllm.engine.model_runner import zeroed_kv_cache
 from hitchllm.entrypoints.cli import main
+from hitchllm.tiny_model import build_tiny_checkpoint
 from hitchllm.tokenizer import (
     GENERIC_TOKENIZER_CLASSES,
     GENERIC_TOKENIZER_MODEL_TYPES,
@@ -58,24 +59,47 @@ def test_load_tokenizer_matches_auto_tokenizer(model, tiny_models):
 
 
 def test_generic_tokenizer_path_is_taken_only_where_autotokenizer_agrees(tiny_models):
-    # Llama and Mistral checkpoints with a tokenizers-library tokenizer skip AutoTokenizer;
-    # Qwen2/Qwen3 have a tokenizer class of their own in transformers and go through it.
+    # Llama, Mistral and Qwen3 checkpoints with a tokenizers-library tokenizer skip
+    # AutoTokenizer; for Qwen2 it applies Qwen2's own class, so they go through it.
     assert loads_generic_tokenizer(Path(default_model_path()))
     taken = {arch: loads_generic_tokenizer(Path(p)) for arch, p in tiny_models.items()}
     assert taken == {"LlamaForCausalLM": True, "MistralForCausalLM": True,
-                     "Qwen2ForCausalLM": False, "Qwen3ForCausalLM": False}
+                     "Qwen2ForCausalLM": False, "Qwen3ForCausalLM": True}
+
+
+def test_qwen3_moe_takes_the_generic_path_autotokenizer_takes(tmp_path):
+    path = build_tiny_checkpoint(tmp_path / "moe", "Qwen3MoeForCausalLM")
+    assert loads_generic_tokenizer(path)
+    ours, reference = load_tokenizer(path), AutoTokenizer.from_pretrained(path)
+    assert type(ours) is type(reference) and ours.init_kwargs == reference.init_kwargs
+    ids = ours(TEXTS[2])["input_ids"]
+    assert ids == reference(TEXTS[2])["input_ids"] and ours.decode(ids) == reference.decode(ids)
+
+
+def test_a_configuration_naming_its_model_goes_through_autotokenizer(tiny_models, tmp_path):
+    """AutoTokenizer checks a configuration's ``model_name`` against its list of wrong Hub
+    classes too; such a checkpoint is left to it."""
+    source = Path(tiny_models["Qwen3ForCausalLM"])
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_text((source / name).read_text())
+    config = json.loads((source / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_name": "qwen2"}))
+    assert not loads_generic_tokenizer(tmp_path)
+    assert type(load_tokenizer(tmp_path)) is type(AutoTokenizer.from_pretrained(tmp_path))
 
 
 def test_generic_model_types_have_no_tokenizer_of_their_own_in_transformers():
     """The fast path's premise, against the installed transformers' own tables: these model
-    types map to no tokenizer class (or the generic one), and AutoTokenizer does not override
-    a checkpoint's generic class for them."""
+    types map to no tokenizer class (or the generic one), or to a class of their own that
+    AutoTokenizer puts in place of a checkpoint's generic class only for the types it lists
+    as naming a wrong class on the Hub, which these are not."""
     from transformers.models.auto import tokenization_auto
 
     for model_type in sorted(GENERIC_TOKENIZER_MODEL_TYPES):
         registered = tokenization_auto.TOKENIZER_MAPPING_NAMES.get(model_type)
-        assert registered is None or registered in GENERIC_TOKENIZER_CLASSES, model_type
-        assert model_type not in tokenization_auto.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
+        if registered is not None and registered not in GENERIC_TOKENIZER_CLASSES:
+            assert registered.removesuffix("Fast") != "MistralCommonBackend", model_type
+            assert model_type not in tokenization_auto.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
 
 
 def test_load_tokenizer_falls_back_for_a_checkpoint_naming_remote_code(tmp_path):

@@ -6,12 +6,16 @@ the tokenizer class, and in transformers 5 importing a configuration class such 
 module costs more again): about 1.3 s of the bundled model's start-up on a 2-core CPU.
 
 For a local checkpoint that names the generic fast tokenizer (``PreTrainedTokenizerFast`` or
-``TokenizersBackend``, as tokenizers trained with the ``tokenizers`` library are saved) for a
-model type that transformers maps to no tokenizer of its own, ``AutoTokenizer`` ends up
-loading that generic class (``TokenizersBackend``, alias ``PreTrainedTokenizerFast``) from the
-checkpoint's files, whatever its configuration holds; ``load_tokenizer`` loads it directly.
-Everything else (hub names, remote code, model types with a tokenizer class of their own, such
-as Qwen2's) goes through ``AutoTokenizer``.
+``TokenizersBackend``, as tokenizers trained with the ``tokenizers`` library are saved),
+``AutoTokenizer`` ends up loading that generic class (``TokenizersBackend``, alias
+``PreTrainedTokenizerFast``) from the checkpoint's files, whatever its configuration holds,
+unless transformers overrides the checkpoint's class for its model type: it does so for the
+types it lists as naming a wrong class on the Hub whose registered tokenizer is a class of
+their own (Qwen2's, for one), never for Llama, Mistral, Qwen3 or DeepSeek. For those
+``load_tokenizer`` loads the generic class directly. Everything else (hub names, remote code,
+Qwen2) goes through ``AutoTokenizer``. On the H100 machine (transformers 5.17) the
+``AutoTokenizer`` route also imports scikit-learn, sympy, Dynamo and the distributed tensors
+(3.3 s here against 0.3 s for the direct one; docs/performance.md, start-up).
 """
 
 from __future__ import annotations
@@ -22,11 +26,13 @@ from typing import Any
 
 # The class names tokenizer_config.json gives a generic tokenizers-library tokenizer.
 GENERIC_TOKENIZER_CLASSES = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
-# Model types for which transformers registers no tokenizer class of its own (or the generic
-# one), so that AutoTokenizer honours a generic tokenizer_class as it stands.
-# tests/test_cpus_startup.py checks this against transformers' own tables.
+# Model types for which AutoTokenizer honours a generic tokenizer_class as it stands: those
+# transformers registers no tokenizer class of its own for (or the generic one), and those
+# whose own class it applies only to checkpoints of the types it lists as naming a wrong class
+# (Qwen2 is listed, Qwen3 is not). tests/test_cpus_startup.py checks this against
+# transformers' own tables and against AutoTokenizer itself.
 GENERIC_TOKENIZER_MODEL_TYPES = frozenset(
-    {"llama", "mistral", "mixtral", "deepseek_v2", "deepseek_v3"}
+    {"llama", "mistral", "mixtral", "qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v3"}
 )
 
 
@@ -60,4 +66,6 @@ def loads_generic_tokenizer(directory: Path) -> bool:
     return (tokenizer_config.get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES
             and "auto_map" not in tokenizer_config and "auto_map" not in model_config
             and model_config.get("tokenizer_class") in (None, *GENERIC_TOKENIZER_CLASSES)
+            # AutoTokenizer also checks a configuration's model_name against its list.
+            and "model_name" not in model_config
             and model_config.get("model_type") in GENERIC_TOKENIZER_MODEL_TYPES)
