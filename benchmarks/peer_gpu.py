@@ -31,6 +31,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import quote, unquote
 
 HERE = Path(__file__).resolve().parent
 SECTION = "## hitchllm vs nano-vllm on nano-vllm's workload (issue 21, benchmarks/peer_gpu.py)"
@@ -53,8 +54,9 @@ def parse_value(text: str) -> object:
 
 class CompileWatch:
     """Kernels Triton compiled or loaded from its disk cache (``triton.knobs`` hooks: each
-    is a first launch of a specialization in this process) and Dynamo's recompiles, counted
-    between ``start`` and ``stop``: one-time costs that land in a timed generate."""
+    is a first launch of a specialization of a ``@triton.jit`` kernel in this process; the
+    time excludes loading the binary onto the GPU) and Dynamo's graphs (inductor's kernels are
+    in them), counted between ``start`` and ``stop``: one-time costs in a timed generate."""
 
     def __init__(self) -> None:
         self.kernels = 0
@@ -63,10 +65,11 @@ class CompileWatch:
         self._graphs = 0
         try:
             from triton import knobs
-        except ImportError:  # no Triton, or one without the hooks: kernels stay uncounted
+        except ImportError:  # no Triton, or one before knobs: kernels stay uncounted
             return
-        knobs.runtime.jit_cache_hook = self._before
-        knobs.runtime.jit_post_compile_hook = self._after
+        if hasattr(knobs.runtime, "jit_post_compile_hook"):
+            knobs.runtime.jit_cache_hook = self._before
+            knobs.runtime.jit_post_compile_hook = self._after
 
     def _before(self, *args: object, **kwargs: object) -> bool:
         self._began = time.perf_counter()
@@ -110,13 +113,12 @@ def run_child(peer: Path, model: str, engine_args: dict[str, object], warm_pass:
 
     from hitchllm import LLM, SamplingParams
 
-    watch = CompileWatch()
     kwargs = dict(block_size=16, dtype="bfloat16", max_model_len=4096) | engine_args
     start = time.perf_counter()
     llm = LLM(model, **kwargs)
     setup = time.perf_counter() - start
-    phases = ",".join(f"{name.replace(' ', '_')}:{sec:.1f}"
-                      for name, sec in llm.engine.startup_times.items())
+    watch = CompileWatch()
+    phases = ",".join(f"{quote(name)}:{sec:.1f}" for name, sec in llm.engine.startup_times.items())
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
     sync = torch.cuda.synchronize if llm.engine.device.type == "cuda" else (lambda: None)
     llm.generate(["Benchmark: "], SamplingParams(temperature=1.0, max_tokens=64), use_tqdm=False)
@@ -268,12 +270,12 @@ def one_time_costs(rows: list[tuple[int, str, dict[str, str]]]) -> list[str]:
     if not runs:
         return []
     lines = ["| round | engine | start-up phases s | timed generate: Triton kernels (s) "
-             "| Dynamo graphs | warm pass s | warm pass: Triton kernels (s) |",
+             "| Dynamo graphs | warm pass s | warm pass: Triton kernels (s), Dynamo graphs |",
              "|---|---|---|---|---|---|---|"]
     for r, name, res in runs:
-        phases = res.get("startup", "").replace("_", " ").replace(":", " ").replace(",", ", ")
-        warm = (f"{res['warm_s']} | {res['warm_jit_kernels']} ({res['warm_jit_s']})"
-                if "warm_s" in res else " | ")
+        phases = ", ".join(unquote(p).replace(":", " ") for p in res.get("startup", "").split(","))
+        warm = (f"{res['warm_s']} | {res['warm_jit_kernels']} ({res['warm_jit_s']}), "
+                f"{res['warm_dynamo_graphs']}" if "warm_s" in res else " | ")
         lines.append(f"| {r} | {name} | {phases} | {res['jit_kernels']} ({res['jit_s']}) "
                      f"| {res['dynamo_graphs']} | {warm} |")
     return [*lines, ""]

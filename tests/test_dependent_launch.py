@@ -94,6 +94,15 @@ def test_dependent_on_hopper_gpus_unless_turned_off(gpu_like, monkeypatch):
     assert dl.dependent_launch(gpu_like)
 
 
+def test_the_launch_keyword_only_where_dependent(gpu_like, monkeypatch):
+    """``launch_pdl`` goes to the launch only when true: Triton's AMD backend and Triton before
+    3.4 refuse the keyword; such a Triton (no ``gdc_wait``) never launches dependent."""
+    assert dl.launch_options(True) == {"launch_pdl": True}
+    assert dl.launch_options(False) == {}
+    monkeypatch.setattr(dl, "gdc_wait", None)
+    assert not dl.dependent_launch(gpu_like)
+
+
 def test_not_dependent_elsewhere(gpu_like, monkeypatch):
     """CPU tensors, Triton's interpreter, ROCm and GPUs before Hopper launch plainly."""
     assert not dl.dependent_launch(torch.zeros(1))

@@ -11,11 +11,13 @@ For a local checkpoint that names the generic fast tokenizer (``PreTrainedTokeni
 ``PreTrainedTokenizerFast``) from the checkpoint's files, whatever its configuration holds,
 unless transformers overrides the checkpoint's class for its model type: it does so for the
 types it lists as naming a wrong class on the Hub whose registered tokenizer is a class of
-their own (Qwen2's, for one), never for Llama, Mistral, Qwen3 or DeepSeek. For those
-``load_tokenizer`` loads the generic class directly. Everything else (hub names, remote code,
-Qwen2) goes through ``AutoTokenizer``. On the H100 machine (transformers 5.17) the
-``AutoTokenizer`` route also imports scikit-learn, sympy, Dynamo and the distributed tensors
-(3.3 s here against 0.3 s for the direct one; docs/performance.md, start-up).
+their own (Qwen2's, for one), not for Llama, Mistral, Qwen3 or DeepSeek; and with
+mistral-common installed it loads a checkpoint that ships ``tekken.json`` as Mistral's own.
+For the others ``load_tokenizer`` loads the generic class directly. Everything else (hub
+names, remote code, Qwen2, tekken checkpoints) goes through ``AutoTokenizer``. With
+transformers 5.17 (the H100 machine's) the ``AutoTokenizer`` route also imports scikit-learn,
+sympy, Dynamo and the distributed tensors: 3.3 s against 0.3 s for the direct one on a 2-core
+CPU (docs/performance.md, start-up).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def loads_generic_tokenizer(directory: Path) -> bool:
     ``TokenizersBackend`` without looking further than its JSON files."""
     files = [directory / name for name in ("tokenizer.json", "tokenizer_config.json",
                                            "config.json")]
-    if not all(f.is_file() for f in files):
+    if not all(f.is_file() for f in files) or (directory / "tekken.json").exists():
         return False
     try:
         tokenizer_config = json.loads(files[1].read_text())

@@ -23,7 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
-from hitchllm.attention.dependent_launch import await_inputs, dependent_launch
+from hitchllm.attention.dependent_launch import (
+    await_inputs,
+    dependent_launch,
+    launch_options,
+)
 from hitchllm.models.rounding import ptx_rounding, round_to
 
 _DTYPES = (torch.bfloat16, torch.float32)
@@ -112,7 +116,7 @@ def _launch(
         Q_HEADS=q_heads, Q_PAD=triton.next_power_of_2(q_heads), K_HEADS=k_heads,
         K_PAD=triton.next_power_of_2(k_heads), HALF=head_dim // 2,
         HALF_PAD=triton.next_power_of_2(head_dim // 2), NORM=norm, PTX=ptx_rounding(q),
-        PDL=pdl, num_warps=4, launch_pdl=pdl,
+        PDL=pdl, num_warps=4, **launch_options(pdl),
     )
     return q_out, k_out
 

@@ -10,7 +10,11 @@ import torch
 import triton
 import triton.language as tl
 
-from hitchllm.attention.dependent_launch import await_inputs, dependent_launch
+from hitchllm.attention.dependent_launch import (
+    await_inputs,
+    dependent_launch,
+    launch_options,
+)
 from hitchllm.models.rounding import ptx_rounding, round_to
 
 # The shapes measured (Qwen3-0.6B's o_proj 2048 -> 1024 and down_proj 3072 -> 1024); larger
@@ -81,7 +85,7 @@ def partial_sums(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     _partials_kernel[grid](x, weight, parts, rows, columns, x.stride(0), weight.stride(0),
                            inner // t.splits, BM=t.rows, BN=t.columns, BK=t.inner,
                            IEEE=x.dtype == torch.float32, PDL=pdl, num_warps=4,
-                           num_stages=t.stages, launch_pdl=pdl)
+                           num_stages=t.stages, **launch_options(pdl))
     return parts
 
 
@@ -124,5 +128,5 @@ def add_rms_norm(
     _add_norm_kernel[(rows,)](parts, residual, weight, out, total, rows, columns,
                               residual.stride(0), eps, SPLITS=parts.shape[0],
                               BLOCK=triton.next_power_of_2(columns), PTX=ptx_rounding(parts),
-                              PDL=pdl, num_warps=4, launch_pdl=pdl)
+                              PDL=pdl, num_warps=4, **launch_options(pdl))
     return out, total

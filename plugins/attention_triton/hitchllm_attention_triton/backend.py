@@ -183,7 +183,7 @@ class TritonAttentionImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         metadata: TritonAttentionMetadata,
     ) -> torch.Tensor:
-        from hitchllm.attention.dependent_launch import dependent_launch
+        from hitchllm.attention.dependent_launch import dependent_launch, launch_options
         from hitchllm_attention_triton import kernels
 
         num_tokens = metadata.num_tokens
@@ -201,7 +201,7 @@ class TritonAttentionImpl(AttentionImpl):
                 key, value, kv_cache, metadata.slot_mapping, k_scale, v_scale,
                 key.stride(0), value.stride(0), kv_cache.stride(0),
                 TOKEN_SIZE=token_size, TOKEN_PAD=triton_next_pow2(token_size), **fmt,
-                PDL=pdl, launch_pdl=pdl,
+                PDL=pdl, **launch_options(pdl),
             )
         out = torch.empty_like(query)
         if num_tokens == 0:
@@ -245,13 +245,13 @@ class TritonAttentionImpl(AttentionImpl):
             # Inline PTX unpacks fp8 words on NVIDIA GPUs; Triton's casts elsewhere.
             ASM_CVT=v_word > 1 and query.device.type == "cuda" and torch.version.hip is None,
             LONGEST_FIRST=longest_first, PDL=pdl,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
         )
         if splits > 1:
             kernels.merge_splits[(num_tokens, self.num_heads)](
                 out, partial, lse, out.stride(0), out.stride(1), num_tokens, self.num_heads,
                 HEAD_DIM=self.head_size, HEAD_PAD=head_pad, NUM_SPLITS=splits,
-                SPLITS_PAD=max(2, triton_next_pow2(splits)), PDL=pdl, launch_pdl=pdl,
+                SPLITS_PAD=max(2, triton_next_pow2(splits)), PDL=pdl, **launch_options(pdl),
             )
         return out
 
