@@ -177,3 +177,34 @@ def test_piecewise_graphs_keep_transformers_tokens(tiny_models):
                         SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8),
                         use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, 8)
+
+
+def test_requests_after_start_up_compile_nothing(tiny_models):
+    """Start-up compiles every Triton kernel variant and Dynamo graph that plain requests
+    need: prompts chunked into steps of every size beside decoding requests, short last
+    chunks, and plain temperature sampling launch nothing new (a compile on a request's step
+    stalls the whole batch for about a second)."""
+    triton = pytest.importorskip("triton")
+    if getattr(getattr(triton, "knobs", None), "runtime", None) is None:
+        pytest.skip("this Triton has no JIT hooks (triton.knobs.runtime)")
+    from torch._dynamo.utils import counters
+
+    llm = LLM(tiny_models["Qwen3ForCausalLM"], device="cuda", attention_backend="TRITON_ATTN",
+              max_num_batched_tokens=64)
+    compiled: list[str] = []
+
+    def on_compile(*args, **kwargs) -> bool:
+        compiled.append(str(kwargs.get("repr", ""))[:120])
+        return False  # compile as usual
+
+    graphs = counters["stats"]["unique_graphs"]
+    runtime = triton.knobs.runtime
+    hook, runtime.jit_cache_hook = runtime.jit_cache_hook, on_compile
+    try:
+        prompts = mixed_prompts(3, lengths=(1, 5, 19, 37, 60, 83, 130, 211, 70))
+        for temperature in (0.6, 0.0):
+            _generate(llm, prompts, temperature)
+    finally:
+        runtime.jit_cache_hook = hook
+    assert compiled == []
+    assert counters["stats"]["unique_graphs"] == graphs

@@ -189,41 +189,69 @@ class ModelRunner:
         """Peak bytes PyTorch allocates in a worst-case step: a forward over
         ``max_num_tokens`` prompt tokens, then logits and sampling (top-k, top-p, min-p,
         penalties, logprobs) for ``max_num_seqs`` rows. Runs on a one-block KV cache (no slot
-        is written; every block-table entry points at that block), which is freed again."""
+        is written; every block-table entry points at that block), which is freed again.
+        Also runs the eager step shapes that choose kernels of their own (see
+        ``_compile_step_shapes``), so that their compiles happen here."""
         self.initialize_kv_cache(1)
-        b = self.buffers
         # The largest step the scheduler can plan: no request beyond max_model_len.
         num_tokens = min(self.max_num_tokens, self.max_num_seqs * self.max_model_len)
         num_reqs = min(self.max_num_seqs, -(-num_tokens // self.max_model_len))
         lens = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int64)
         lens[: num_tokens % num_reqs] += 1
+        self._compile_step_shapes()
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        hidden = self._dummy_forward(lens)
+        if not self.samples:
+            return self._peak_after(hidden)
+        n = self.max_num_seqs
+        logits = self.model.compute_logits(hidden[torch.arange(n, device=self.device) % num_tokens])
+
+        def sample(logits: torch.Tensor, params: SamplingParams) -> None:
+            self.sampler(logits, build_sampling_metadata(
+                params=[params] * n, prompt_token_ids=[[0]] * n, output_token_ids=[[0]] * n,
+                eos_token_ids=[None] * n, generators=[None] * n,
+                default_generator=self.default_generator, vocab_size=self.vocab_size,
+                device=self.device))
+
+        sample(logits, SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05,
+                                      repetition_penalty=1.1, presence_penalty=0.1,
+                                      logprobs=20))
+        # Plain temperature sampling has a kernel of its own (race_kernel): compiled here, not
+        # on the first request's step.
+        sample(logits, SamplingParams(temperature=1.0))
+        del logits
+        return self._peak_after(hidden)
+
+    def _dummy_forward(self, lens: np.ndarray) -> torch.Tensor:
+        """An eager forward over requests of ``lens`` new tokens each (no context), on the
+        profiling cache: token ids 0, no slot written."""
+        b = self.buffers
+        num_tokens = int(lens.sum())
         starts = np.cumsum(lens) - lens
         b.input_ids.np[:num_tokens] = 0
         b.positions.np[:num_tokens] = np.arange(num_tokens) - np.repeat(starts, lens)
         b.slot_mapping.np[:num_tokens] = -1
-        common = self.buffers.common_metadata(
-            lens, np.zeros(num_reqs, dtype=np.int64),
-            np.zeros((num_reqs, -(-int(lens.max()) // self.block_size)), dtype=np.int32),
+        common = b.common_metadata(
+            lens, np.zeros(len(lens), dtype=np.int64),
+            np.zeros((len(lens), -(-int(lens.max()) // self.block_size)), dtype=np.int32),
             num_tokens, cuda_graph=False, max_model_len=self.max_model_len)
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        hidden = self._eager_forward(b.input_ids.to_device(num_tokens),
-                                     b.positions.to_device(num_tokens),
-                                     self.builder.build(common))
-        if not self.samples:
-            return self._peak_after(hidden)
-        rows = torch.arange(self.max_num_seqs, device=self.device) % num_tokens
-        logits = self.model.compute_logits(hidden[rows])
-        worst = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05,
-                               repetition_penalty=1.1, presence_penalty=0.1, logprobs=20)
-        metadata = build_sampling_metadata(
-            params=[worst] * self.max_num_seqs, prompt_token_ids=[[0]] * self.max_num_seqs,
-            output_token_ids=[[0]] * self.max_num_seqs, eos_token_ids=[None] * self.max_num_seqs,
-            generators=[None] * self.max_num_seqs, default_generator=self.default_generator,
-            vocab_size=self.vocab_size, device=self.device)
-        self.sampler(logits, metadata)
-        del logits, metadata
-        return self._peak_after(hidden)
+        return self._eager_forward(b.input_ids.to_device(num_tokens),
+                                   b.positions.to_device(num_tokens), self.builder.build(common))
+
+    def _compile_step_shapes(self) -> None:
+        """Eager steps whose longest query is 1 to 8 tokens beside a decoding request: a
+        backend may choose kernels by the longest query (TRITON_ATTN sizes its tiles to a
+        short one, as speculative verification has), and each choice would otherwise compile
+        on the first such step of the process, stalling every request in it. The profiling
+        forward covers long prompts, the CUDA graphs decode batches."""
+        if self.device.type != "cuda":
+            return  # nothing compiles per shape on the CPU
+        for query_len in range(1, 9):
+            lens = [1, query_len][-self.max_num_seqs:]
+            if sum(lens) > self.max_num_tokens or query_len > self.max_model_len:
+                break
+            self._dummy_forward(np.array(lens, dtype=np.int64))
 
     def _peak_after(self, hidden: torch.Tensor) -> int:
         """The profiled peak, once the profiling step is done; frees its one-block cache."""

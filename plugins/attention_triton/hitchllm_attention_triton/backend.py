@@ -150,7 +150,12 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
         tile_req = np.repeat(np.arange(len(q_lens), dtype=np.int32), tiles)
         first_tile = np.cumsum(tiles) - tiles
         tile_q0 = ((np.arange(len(tile_req)) - first_tile[tile_req]) * block_q)
-        tiles_host = torch.from_numpy(np.stack([tile_req, tile_q0.astype(np.int32)]))
+        # Rows padded to 16 bytes: the second starts as aligned as the first whatever the
+        # count. Triton specializes a pointer on its alignment, so an unaligned tile_q0 would
+        # be a kernel variant of its own, compiled on the first step that has one.
+        tiles_host = torch.zeros((2, -(-len(tile_req) // 4) * 4), dtype=torch.int32)
+        tiles_host[0, : len(tile_req)] = torch.from_numpy(tile_req)
+        tiles_host[1, : len(tile_req)] = torch.from_numpy(tile_q0.astype(np.int32))
         if self.device.type == "cuda":
             tiles_host = tiles_host.pin_memory()
         return tiles_host.to(self.device, non_blocking=True), len(tile_req)

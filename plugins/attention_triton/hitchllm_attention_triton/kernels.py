@@ -205,7 +205,10 @@ def _attend_v_words(
     return acc0, acc1, acc2, acc3
 
 
-@triton.jit
+# The token count only bounds masks and offsets: specializing it (Triton marks an int equal
+# to 1 or divisible by 16) would compile a variant of its own for some steps' sizes, on the
+# first such step of a process.
+@triton.jit(do_not_specialize=["num_tokens"])
 def paged_attention(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     block_table_ptr, seq_lens_ptr, query_start_ptr, tile_req_ptr, tile_q0_ptr,
@@ -358,7 +361,7 @@ def _store_output(
             tl.store(partial_lse_ptr + row, lse, mask=row_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def merge_splits(
     out_ptr, partial_out_ptr, partial_lse_ptr, stride_o_t, stride_o_h, num_tokens, num_heads,
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
