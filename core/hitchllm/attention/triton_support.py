@@ -16,6 +16,25 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def pin_triton_cache_dir() -> None:
+    """Keep this process's Triton compiles (and its workers') in one on-disk cache, where the
+    next process finds them: sets ``TRITON_CACHE_DIR`` to Triton's own default when unset.
+
+    Triton looks the variable up at every compile, and torch.compile's Inductor sets it, when
+    unset, to a directory of its own the first time it builds a kernel in a process. A
+    process that compiled its graphs therefore stored the kernels compiled after that point
+    in Inductor's directory, and the next one, whose Inductor loaded those graphs from its
+    cache without building a kernel, looked in Triton's default directory and compiled them
+    all again: 12-18 s of an H100 engine's start-up (docs/performance.md, start-up)."""
+    if "TRITON_CACHE_DIR" in os.environ or importlib.util.find_spec("triton") is None:
+        return
+    import triton
+
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:  # Triton's default (which honours TRITON_HOME)
+        os.environ["TRITON_CACHE_DIR"] = knobs.cache.dir
+
+
 def triton_device_reasons(spec: AttentionSpec) -> list[str]:
     """Why Triton kernels cannot run for ``spec``'s device and dtype (empty: they can): not
     installed; on CUDA, compute capability below 8.0 or a dtype other than bfloat16/float16;

@@ -16,6 +16,7 @@ import torch
 from hitchllm import timeline
 from hitchllm.attention import FP8_DTYPES, AttentionSpec, bytes_per_shared_block
 from hitchllm.attention.selector import select_attention_backend
+from hitchllm.attention.triton_support import pin_triton_cache_dir
 from hitchllm.config import EngineConfig, ModelConfig, parse_size
 from hitchllm.cpu_threads import apply_cpu_threads
 from hitchllm.engine.drafting import Drafter
@@ -164,6 +165,8 @@ class LLMEngine:
         self.config = config = config.model_copy()
         self.registry = get_plugin_registry()
         self.device = config.resolve_device()
+        if self.device.type == "cuda":
+            pin_triton_cache_dir()
         self.model_config = ModelConfig.from_pretrained(config.model)
         mc = self.model_config
         self.dtype = config.resolve_dtype(mc.checkpoint_dtype, self.device)
