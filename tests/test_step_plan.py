@@ -102,6 +102,9 @@ class PicklingExecutor(Executor):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.inner.initialize_kv_cache(num_blocks)
 
+    def warm_up(self) -> None:
+        self.inner.warm_up()
+
     def capture_cuda_graphs(self) -> None:
         self.inner.capture_cuda_graphs()
 

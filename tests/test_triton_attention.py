@@ -234,3 +234,24 @@ def test_decode_split_counts_are_few_powers_of_two():
             seen.add(cfg.num_splits)
             assert cfg.num_splits == 1 or cfg.num_splits * 4 * cfg.block_n <= max_seq_len
     assert seen == {1, 2, 4, 8, 16}
+
+
+def test_warm_up_steps_write_nothing_and_change_no_tokens(tiny_models, monkeypatch):
+    """The start-up steps (``ModelRunner.warm_up``; the engine runs them on CUDA) go through
+    every query length the backend names on the live cache without writing to it: the cache
+    is the same after them, and requests generate the same tokens."""
+    llm = LLM(tiny_models["Qwen3ForCausalLM"], attention_backend="TRITON_ATTN",
+              dtype="float32", block_size=4, num_kv_blocks=64, enable_prefix_caching=False)
+    prompts = mixed_prompts(4, lengths=(3, 11, 26))
+    expected = run(llm, prompts, max_tokens=5)
+    runner = llm.engine.executor.runner
+    before = [cache.clone() for cache in runner.kv_caches]
+    longest = []
+    build = runner.builder.build
+    monkeypatch.setattr(runner.builder, "build",
+                        lambda common: longest.append(common.max_query_len) or build(common))
+    runner.warm_up()
+    assert longest == list(TritonAttentionBackend.warm_up_query_lens) == list(range(1, 9))
+    assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches, strict=True))
+    monkeypatch.undo()
+    assert run(llm, prompts, max_tokens=5) == expected

@@ -17,8 +17,11 @@ def test_engine_kernels_and_inductor_share_one_cache(monkeypatch, tmp_path):
         pytest.skip("this Triton has no triton.knobs")
     from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
 
-    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    # Unset for the test, whatever it was, and restored after it (setenv records it).
+    monkeypatch.setenv("TRITON_CACHE_DIR", "")
+    monkeypatch.delenv("TRITON_CACHE_DIR")
     monkeypatch.setenv("TRITON_HOME", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     # Unpinned, Inductor would move the process's later compiles out of Triton's default.
     assert triton_cache_dir(0) != triton.knobs.cache.dir
     pin_triton_cache_dir()

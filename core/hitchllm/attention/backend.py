@@ -170,6 +170,11 @@ class AttentionBackend(ABC):
     #: sequence lengths and slots on the device between them (the speculative drafter's
     #: multi-step draft graphs).
     reads_batch_on_device: ClassVar[bool] = False
+    #: Query lengths whose steps make the impl choose kernels of their own (tiles sized to a
+    #: short query, say). At start-up on CUDA the engine runs an eager step of each, its
+    #: longest query that long beside a decoding request, so that those kernels compile then
+    #: and not on the first request's step.
+    warm_up_query_lens: ClassVar[tuple[int, ...]] = ()
 
     @classmethod
     @abstractmethod

@@ -1,5 +1,6 @@
-"""Where Triton kernels can run: shared by the backends written in Triton (TRITON_ATTN,
-TRITON_MLA, third-party ones), so that they refuse the same specs with the same reasons."""
+"""Triton as the engine and the backends written in it (TRITON_ATTN, TRITON_MLA, third-party
+ones) use it: where its kernels can run (so that they refuse the same specs with the same
+reasons), compiling a kernel for a GPU without one, and the on-disk cache its compiles share."""
 
 from __future__ import annotations
 
@@ -17,8 +18,11 @@ def triton_interpreting() -> bool:
 
 
 def pin_triton_cache_dir() -> None:
-    """Keep this process's Triton compiles (and its workers') in one on-disk cache, where the
-    next process finds them: sets ``TRITON_CACHE_DIR`` to Triton's own default when unset.
+    """Keep this process's Triton compiles in one on-disk cache, where the next process finds
+    them: sets ``TRITON_CACHE_DIR`` to Triton's own default when unset (every CUDA worker
+    does, Ray's and worker processes' included). The variable stays set for the process, so
+    Inductor's later compiles go there too; one Inductor set before the engine started is
+    kept, as a user's is.
 
     Triton looks the variable up at every compile, and torch.compile's Inductor sets it, when
     unset, to a directory of its own the first time it builds a kernel in a process. A

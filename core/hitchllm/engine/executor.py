@@ -60,8 +60,9 @@ class Executor(abc.ABC):
     """Runs step plans on the model runner(s) of one engine.
 
     Set-up order, as for a runner: ``kv_cache_bytes`` (CUDA, to size the KV cache),
-    ``initialize_kv_cache``, then ``capture_cuda_graphs`` when graphs are wanted. ``close``
-    releases what the executor holds (worker processes); the engine calls it when it closes.
+    ``initialize_kv_cache``, ``warm_up``, then ``capture_cuda_graphs`` when graphs are
+    wanted. ``close`` releases what the executor holds (worker processes); the engine calls
+    it when it closes.
     """
 
     @property
@@ -81,6 +82,11 @@ class Executor(abc.ABC):
         """Allocate every runner's KV cache with ``num_blocks`` blocks, and with
         ``num_host_blocks`` a host pool of that many blocks per runner (swap preemption);
         returns then the seconds to swap one block out and back in (the slowest runner's)."""
+
+    @abc.abstractmethod
+    def warm_up(self) -> None:
+        """Run every runner's start-up steps (``ModelRunner.warm_up``; after
+        ``initialize_kv_cache``); a no-op off CUDA."""
 
     @abc.abstractmethod
     def capture_cuda_graphs(self) -> None:
@@ -124,6 +130,9 @@ class InProcessExecutor(Executor):
 
     def initialize_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> float | None:
         return self.runner.initialize_kv_cache(num_blocks, num_host_blocks)
+
+    def warm_up(self) -> None:
+        self.runner.warm_up()
 
     def capture_cuda_graphs(self) -> None:
         self.runner.capture_cuda_graphs()
@@ -177,6 +186,9 @@ class WorkerGroupExecutor(Executor):
     def initialize_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> float | None:
         times = self._call("initialize_kv_cache", num_blocks, num_host_blocks)
         return max(times) if num_host_blocks else None
+
+    def warm_up(self) -> None:
+        self._call("warm_up")
 
     def capture_cuda_graphs(self) -> None:
         self._call("capture_cuda_graphs")

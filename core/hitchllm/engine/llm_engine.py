@@ -16,7 +16,6 @@ import torch
 from hitchllm import timeline
 from hitchllm.attention import FP8_DTYPES, AttentionSpec, bytes_per_shared_block
 from hitchllm.attention.selector import select_attention_backend
-from hitchllm.attention.triton_support import pin_triton_cache_dir
 from hitchllm.config import EngineConfig, ModelConfig, parse_size
 from hitchllm.cpu_threads import apply_cpu_threads
 from hitchllm.engine.drafting import Drafter
@@ -165,8 +164,6 @@ class LLMEngine:
         self.config = config = config.model_copy()
         self.registry = get_plugin_registry()
         self.device = config.resolve_device()
-        if self.device.type == "cuda":
-            pin_triton_cache_dir()
         self.model_config = ModelConfig.from_pretrained(config.model)
         mc = self.model_config
         self.dtype = config.resolve_dtype(mc.checkpoint_dtype, self.device)
@@ -331,6 +328,9 @@ class LLMEngine:
         self._swap_seconds_per_block = self.executor.initialize_kv_cache(
             self.num_kv_blocks, self.num_host_blocks)
         self._startup.lap("KV cache allocation")
+        if self.device.type == "cuda":
+            self.executor.warm_up()
+            self._startup.lap("warm-up")
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d, so at most %.2f "
             "requests of full length at once; device %s, %s, KV cache %s",

@@ -50,8 +50,8 @@ class ModelRunner:
     requests and advanced by its own sampled tokens; it never sees the scheduler's requests.
 
     Set-up order: construct, ``initialize_kv_cache(num_blocks)`` (on CUDA the engine first
-    calls ``measure_peak_memory`` to size the cache), then ``capture_cuda_graphs()`` when
-    graphs are wanted.
+    calls ``measure_peak_memory`` to size the cache), ``warm_up()`` (CUDA), then
+    ``capture_cuda_graphs()`` when graphs are wanted.
     """
 
     def __init__(
@@ -190,15 +190,13 @@ class ModelRunner:
         ``max_num_tokens`` prompt tokens, then logits and sampling (top-k, top-p, min-p,
         penalties, logprobs) for ``max_num_seqs`` rows. Runs on a one-block KV cache (no slot
         is written; every block-table entry points at that block), which is freed again.
-        Also runs the eager step shapes that choose kernels of their own (see
-        ``_compile_step_shapes``), so that their compiles happen here."""
+        Its sampling draws from a generator of its own, not the engine's."""
         self.initialize_kv_cache(1)
         # The largest step the scheduler can plan: no request beyond max_model_len.
         num_tokens = min(self.max_num_tokens, self.max_num_seqs * self.max_model_len)
         num_reqs = min(self.max_num_seqs, -(-num_tokens // self.max_model_len))
         lens = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int64)
         lens[: num_tokens % num_reqs] += 1
-        self._compile_step_shapes()
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         hidden = self._dummy_forward(lens)
@@ -206,26 +204,15 @@ class ModelRunner:
             return self._peak_after(hidden)
         n = self.max_num_seqs
         logits = self.model.compute_logits(hidden[torch.arange(n, device=self.device) % num_tokens])
-
-        def sample(logits: torch.Tensor, params: SamplingParams) -> None:
-            self.sampler(logits, build_sampling_metadata(
-                params=[params] * n, prompt_token_ids=[[0]] * n, output_token_ids=[[0]] * n,
-                eos_token_ids=[None] * n, generators=[None] * n,
-                default_generator=self.default_generator, vocab_size=self.vocab_size,
-                device=self.device))
-
-        sample(logits, SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05,
-                                      repetition_penalty=1.1, presence_penalty=0.1,
-                                      logprobs=20))
-        # Plain temperature sampling has a kernel of its own (race_kernel): compiled here, not
-        # on the first request's step.
-        sample(logits, SamplingParams(temperature=1.0))
+        worst = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05,
+                               repetition_penalty=1.1, presence_penalty=0.1, logprobs=20)
+        self._sample_once(logits, worst)
         del logits
         return self._peak_after(hidden)
 
     def _dummy_forward(self, lens: np.ndarray) -> torch.Tensor:
-        """An eager forward over requests of ``lens`` new tokens each (no context), on the
-        profiling cache: token ids 0, no slot written."""
+        """An eager forward over requests of ``lens`` new tokens each (no context): token ids
+        0, no slot written, every block-table entry block 0 (read, not written)."""
         b = self.buffers
         num_tokens = int(lens.sum())
         starts = np.cumsum(lens) - lens
@@ -239,19 +226,33 @@ class ModelRunner:
         return self._eager_forward(b.input_ids.to_device(num_tokens),
                                    b.positions.to_device(num_tokens), self.builder.build(common))
 
-    def _compile_step_shapes(self) -> None:
-        """Eager steps whose longest query is 1 to 8 tokens beside a decoding request: a
-        backend may choose kernels by the longest query (TRITON_ATTN sizes its tiles to a
-        short one, as speculative verification has), and each choice would otherwise compile
-        on the first such step of the process, stalling every request in it. The profiling
-        forward covers long prompts, the CUDA graphs decode batches."""
-        if self.device.type != "cuda":
-            return  # nothing compiles per shape on the CPU
-        for query_len in range(1, 9):
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """After ``initialize_kv_cache``: run once the eager steps that choose kernels of
+        their own, so that those compile now and not on the first request's step (a compile
+        there stalls every request in it); the engine calls it on CUDA. An eager step of each
+        query length the attention backend names (``AttentionBackend.warm_up_query_lens``)
+        beside a decoding request, and plain temperature sampling (``race_kernel`` on CUDA).
+        No slot is written; the sampling draws from a generator of its own. The profiling
+        step covers long prompts, the CUDA graphs their batches."""
+        hidden = None
+        for query_len in self.backend.warm_up_query_lens:
             lens = [1, query_len][-self.max_num_seqs:]
             if sum(lens) > self.max_num_tokens or query_len > self.max_model_len:
                 break
-            self._dummy_forward(np.array(lens, dtype=np.int64))
+            hidden = self._dummy_forward(np.array(lens, dtype=np.int64))
+        if hidden is not None and self.samples:
+            self._sample_once(self.model.compute_logits(hidden[-1:]),
+                              SamplingParams(temperature=1.0))
+
+    def _sample_once(self, logits: torch.Tensor, params: SamplingParams) -> None:
+        """Sample every row of ``logits`` with ``params``, from a throwaway generator."""
+        n = logits.shape[0]
+        self.sampler(logits, build_sampling_metadata(
+            params=[params] * n, prompt_token_ids=[[0]] * n, output_token_ids=[[0]] * n,
+            eos_token_ids=[None] * n, generators=[None] * n,
+            default_generator=torch.Generator(device=self.device), vocab_size=self.vocab_size,
+            device=self.device))
 
     def _peak_after(self, hidden: torch.Tensor) -> int:
         """The profiled peak, once the profiling step is done; frees its one-block cache."""

@@ -31,6 +31,7 @@ from torch import nn
 
 from hitchllm import distributed, timeline
 from hitchllm.attention import FP8_DTYPES, Attention, AttentionBackend, AttentionSpec
+from hitchllm.attention.triton_support import pin_triton_cache_dir
 from hitchllm.config import EngineConfig, ModelConfig
 from hitchllm.distributed import ParallelRank
 from hitchllm.engine.cuda_graphs import default_capture_sizes
@@ -110,6 +111,8 @@ class Worker:
         self.setup = setup
         self.rank = rank or ParallelRank()
         self.device = device or setup.device_for(self.rank)
+        if self.device.type == "cuda":
+            pin_triton_cache_dir()  # before this rank compiles anything
         self.registry = get_plugin_registry()
         self._logits_processors = logits_processors
         self.memory_at_start: MemorySnapshot | None = None
@@ -198,6 +201,10 @@ class Worker:
         """This rank's KV cache, and its own host pool for its shard of every block (swap
         preemption; see ``ModelRunner.initialize_kv_cache``)."""
         return self.runner.initialize_kv_cache(num_blocks, num_host_blocks)
+
+    def warm_up(self) -> None:
+        """The runner's start-up steps (``ModelRunner.warm_up``); every rank runs the same."""
+        self.runner.warm_up()
 
     def capture_cuda_graphs(self) -> None:
         """Capture the decode graphs (a pipeline stage's without its transfers: the runner

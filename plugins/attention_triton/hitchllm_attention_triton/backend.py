@@ -19,7 +19,7 @@ from hitchllm.attention import (
     CudaGraphSupport,
 )
 from hitchllm.attention.triton_support import triton_device_reasons
-from hitchllm_attention_triton.config import KernelConfig, choose_kernel_config
+from hitchllm_attention_triton.config import SHORT_QUERY, KernelConfig, choose_kernel_config
 
 MAX_HEAD_SIZE = 256
 #: Per fp8 format: largest finite value, mantissa bits, smallest normal exponent (what the
@@ -153,9 +153,10 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
         # Rows padded to 16 bytes: the second starts as aligned as the first whatever the
         # count. Triton specializes a pointer on its alignment, so an unaligned tile_q0 would
         # be a kernel variant of its own, compiled on the first step that has one.
-        tiles_host = torch.zeros((2, -(-len(tile_req) // 4) * 4), dtype=torch.int32)
-        tiles_host[0, : len(tile_req)] = torch.from_numpy(tile_req)
-        tiles_host[1, : len(tile_req)] = torch.from_numpy(tile_q0.astype(np.int32))
+        table = np.zeros((2, -(-len(tile_req) // 4) * 4), dtype=np.int32)
+        table[0, : len(tile_req)] = tile_req
+        table[1, : len(tile_req)] = tile_q0
+        tiles_host = torch.from_numpy(table)
         if self.device.type == "cuda":
             tiles_host = tiles_host.pin_memory()
         return tiles_host.to(self.device, non_blocking=True), len(tile_req)
@@ -274,6 +275,8 @@ class TritonAttentionBackend(AttentionBackend):
     priority: ClassVar[int] = 100
     cuda_graph_support: ClassVar[CudaGraphSupport] = CudaGraphSupport.UNIFORM_BATCH
     reads_batch_on_device: ClassVar[bool] = True
+    # Decode tiles eagerly, and the short-query tiles of every length that picks them.
+    warm_up_query_lens: ClassVar[tuple[int, ...]] = tuple(range(1, SHORT_QUERY + 1))
 
     @classmethod
     def validate(cls, spec: AttentionSpec) -> list[str]:

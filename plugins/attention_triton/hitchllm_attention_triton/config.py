@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Queries up to this long (speculative verification's) get tiles sized to the query.
+SHORT_QUERY = 8
+
 
 @dataclass(frozen=True)
 class KernelConfig:
@@ -49,7 +52,7 @@ def choose_kernel_config(
         # tile does.
         block_n = (128 if kv_bytes == 1 else 64) if on_gpu else 16
         num_warps, num_stages = 4, 3
-    elif on_gpu and max_query_len <= 8:
+    elif on_gpu and max_query_len <= SHORT_QUERY:
         # Speculative verification (a request's newest token and a few drafts): tiles sized to
         # the query, as decode's are, instead of a prefill tile mostly of padding rows.
         block_m = max(16, _pow2_at_least(max_query_len * group))
