@@ -255,3 +255,22 @@ def test_warm_up_steps_write_nothing_and_change_no_tokens(tiny_models, monkeypat
     assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches, strict=True))
     monkeypatch.undo()
     assert run(llm, prompts, max_tokens=5) == expected
+
+
+def test_warm_up_samples_once_without_query_lengths(tiny_models, monkeypatch):
+    """A backend that names no query lengths (TORCH) still gets one step and one plain
+    temperature sample at warm-up (the race kernel compiles there on CUDA), drawn from a
+    generator of its own: the engine's seeded stream is untouched."""
+    llm = LLM(tiny_models["Qwen3ForCausalLM"], attention_backend="TORCH", dtype="float32",
+              seed=11)
+    runner = llm.engine.executor.runner
+    state = runner.default_generator.get_state()
+    sampled = []
+    sample = runner.sampler.forward
+    monkeypatch.setattr(runner.sampler, "forward",
+                        lambda logits, metadata: sampled.append(len(logits))
+                        or sample(logits, metadata))
+    runner.warm_up()
+    assert sampled == [1]
+    assert torch.equal(runner.default_generator.get_state(), state)
+

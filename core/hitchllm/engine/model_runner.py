@@ -241,7 +241,9 @@ class ModelRunner:
             if sum(lens) > self.max_num_tokens or query_len > self.max_model_len:
                 break
             hidden = self._dummy_forward(np.array(lens, dtype=np.int64))
-        if hidden is not None and self.samples:
+        if self.samples:
+            if hidden is None:
+                hidden = self._dummy_forward(np.array([1], dtype=np.int64))
             self._sample_once(self.model.compute_logits(hidden[-1:]),
                               SamplingParams(temperature=1.0))
 
