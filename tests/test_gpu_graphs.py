@@ -182,7 +182,6 @@ def test_piecewise_graphs_keep_transformers_tokens(tiny_models):
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, 8)
 
 
-
 # Run in a process of its own: Triton's in-memory kernels and Dynamo's graphs are per process,
 # and earlier tests here have compiled what an engine needs already.
 _FIRST_REQUESTS = r"""
@@ -191,15 +190,17 @@ import triton
 from torch._dynamo.utils import counters
 from hitchllm import LLM, SamplingParams
 
-llm = LLM(sys.argv[1], device="cuda", attention_backend="TRITON_ATTN", max_num_batched_tokens=64)
 compiled = []
 
 def on_compile(*args, **kwargs):
     compiled.append(str(kwargs.get("repr", ""))[:120])
-    return False  # compile as usual
+    return False  # compile (or load from disk) as usual
 
-graphs = counters["stats"]["unique_graphs"]
 triton.knobs.runtime.jit_cache_hook = on_compile
+llm = LLM(sys.argv[1], device="cuda", attention_backend="TRITON_ATTN", max_num_batched_tokens=64,
+          **json.loads(sys.argv[2]))
+at_start_up, compiled = len(compiled), []
+graphs = counters["stats"]["unique_graphs"]
 rng = random.Random(3)
 prompts = [{"prompt_token_ids": [rng.randrange(3, 500) for _ in range(n)]}
            for n in (1, 5, 19, 37, 60, 83, 130, 211, 70)]
@@ -207,21 +208,26 @@ for temperature in (0.6, 0.0):  # unseeded: plain temperature sampling, then gre
     params = [SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=True)
               for m in (40, 3, 17, 25, 9, 33, 1, 12, 28)]
     llm.generate(prompts, params, use_tqdm=False)
-print(json.dumps({"compiled": compiled, "graphs": counters["stats"]["unique_graphs"] - graphs}))
+print(json.dumps({"at_start_up": at_start_up, "compiled": compiled,
+                  "graphs": counters["stats"]["unique_graphs"] - graphs}))
 """
 
 
-def test_requests_after_start_up_compile_nothing(tiny_models):
+@pytest.mark.parametrize("engine_args", [{}, {"num_kv_blocks": 256}],
+                         ids=["profiled", "kv-blocks-given"])
+def test_requests_after_start_up_compile_nothing(tiny_models, engine_args):
     """Start-up compiles every Triton kernel variant and Dynamo graph that plain requests
-    need: prompts chunked into steps of every size beside decoding requests, short last
-    chunks, plain temperature sampling and greedy launch nothing new in a fresh process (a
-    compile on a request's step stalls the whole batch for about a second)."""
+    need, also when the KV cache's size is given (no profiling step): prompts chunked into
+    steps of every size beside decoding requests, short last chunks, plain temperature
+    sampling and greedy launch nothing new in a fresh process (a compile on a request's step
+    stalls the whole batch for about a second)."""
     triton = pytest.importorskip("triton")
     if getattr(getattr(triton, "knobs", None), "runtime", None) is None:
         pytest.skip("this Triton has no JIT hooks (triton.knobs.runtime)")
     run = subprocess.run([sys.executable, "-c", _FIRST_REQUESTS,
-                          tiny_models["Qwen3ForCausalLM"]],
+                          tiny_models["Qwen3ForCausalLM"], json.dumps(engine_args)],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert result == {"compiled": [], "graphs": 0}
+    assert result["at_start_up"] > 0  # the hook sees the engine's kernels
+    assert (result["compiled"], result["graphs"]) == ([], 0)

@@ -58,6 +58,9 @@ def test_pp2_generates_what_pp1_generates(only_builtin_plugins):  # noqa: F811
         # Each stage caches only its layers (the bundled model's 8 split 4 + 4).
         assert len(llm.engine.executor.kv_cache_specs) == 4
         assert not llm.engine._overlap  # the driver feeds each step's tokens to stage 0
+        # The start-up steps (run on CUDA): every stage runs them, its forward sending to the
+        # next stage's, and they change no request's tokens.
+        llm.engine.executor.warm_up()
         tokens2, logprobs2, prompt_logprobs2 = generate(llm)
     assert time.monotonic() - start < TP_TEST_TIMEOUT_S
     assert tokens2 == tokens1

@@ -251,7 +251,7 @@ def test_warm_up_steps_write_nothing_and_change_no_tokens(tiny_models, monkeypat
     monkeypatch.setattr(runner.builder, "build",
                         lambda common: longest.append(common.max_query_len) or build(common))
     runner.warm_up()
-    assert longest == list(TritonAttentionBackend.warm_up_query_lens) == list(range(1, 9))
+    assert longest == list(TritonAttentionBackend.warm_up_query_lens) == list(range(1, 10))
     assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches, strict=True))
     monkeypatch.undo()
     assert run(llm, prompts, max_tokens=5) == expected
@@ -273,4 +273,3 @@ def test_warm_up_samples_once_without_query_lengths(tiny_models, monkeypatch):
     runner.warm_up()
     assert sampled == [1]
     assert torch.equal(runner.default_generator.get_state(), state)
-

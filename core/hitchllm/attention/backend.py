@@ -171,9 +171,10 @@ class AttentionBackend(ABC):
     #: multi-step draft graphs).
     reads_batch_on_device: ClassVar[bool] = False
     #: Query lengths whose steps make the impl choose kernels of their own (tiles sized to a
-    #: short query, say). At start-up on CUDA the engine runs an eager step of each, its
-    #: longest query that long beside a decoding request, so that those kernels compile then
-    #: and not on the first request's step.
+    #: short query, say; one length for each group it treats alike, prompts included). At
+    #: start-up on CUDA the engine runs an eager step of each, its longest query that long
+    #: beside a decoding request, so that those kernels compile then and not on the first
+    #: request's step (``ModelRunner.warm_up``).
     warm_up_query_lens: ClassVar[tuple[int, ...]] = ()
 
     @classmethod

@@ -86,7 +86,7 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def warm_up(self) -> None:
         """Run every runner's start-up steps (``ModelRunner.warm_up``; after
-        ``initialize_kv_cache``); a no-op off CUDA."""
+        ``initialize_kv_cache``). The engine calls it on CUDA only."""
 
     @abc.abstractmethod
     def capture_cuda_graphs(self) -> None:

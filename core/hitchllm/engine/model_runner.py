@@ -232,18 +232,24 @@ class ModelRunner:
         their own, so that those compile now and not on the first request's step (a compile
         there stalls every request in it); the engine calls it on CUDA. An eager step of each
         query length the attention backend names (``AttentionBackend.warm_up_query_lens``)
-        beside a decoding request, and plain temperature sampling (``race_kernel`` on CUDA).
-        No slot is written; the sampling draws from a generator of its own. The profiling
-        step covers long prompts, the CUDA graphs their batches."""
+        beside a decoding request (alone where the step budget leaves no room for it; a
+        one-token step where the backend names none), and plain temperature sampling
+        (``race_kernel`` on CUDA). No slot is written; every block-table entry is block 0,
+        which is read; the sampling draws from a generator of its own. Every rank runs the
+        same steps (pipeline stages send and receive as in a real step). CUDA graphs cover
+        their decode batches; prompt lengths the backend treats alike need one entry."""
         hidden = None
         for query_len in self.backend.warm_up_query_lens:
+            if query_len > self.max_model_len:
+                continue
             lens = [1, query_len][-self.max_num_seqs:]
-            if sum(lens) > self.max_num_tokens or query_len > self.max_model_len:
-                break
-            hidden = self._dummy_forward(np.array(lens, dtype=np.int64))
+            if sum(lens) > self.max_num_tokens:
+                lens = [query_len]  # no decoding request fits beside it
+            if query_len <= self.max_num_tokens:
+                hidden = self._dummy_forward(np.array(lens, dtype=np.int64))
+        if hidden is None:  # on every pipeline stage: each forward sends to the next
+            hidden = self._dummy_forward(np.array([1], dtype=np.int64))
         if self.samples:
-            if hidden is None:
-                hidden = self._dummy_forward(np.array([1], dtype=np.int64))
             self._sample_once(self.model.compute_logits(hidden[-1:]),
                               SamplingParams(temperature=1.0))
 

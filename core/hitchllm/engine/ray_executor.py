@@ -145,7 +145,9 @@ class RayExecutor(WorkerGroupExecutor):
             bundle = {"GPU": 1.0} if on_gpu else {"CPU": 1.0}
             group = self._reserve(bundle, config.ray_placement_strategy,
                                   config.ray_placement_timeout_s)
-            env = {k: v for k, v in os.environ.items() if k.startswith("HITCHLLM_")}
+            # The engine's settings, and where the user keeps Triton's compiles.
+            env = {k: v for k, v in os.environ.items()
+                   if k.startswith("HITCHLLM_") or k in ("TRITON_CACHE_DIR", "TRITON_HOME")}
             actor_class = ray.remote(RayWorker)
             for r in range(self.world_size):
                 self._state.actors.append(actor_class.options(

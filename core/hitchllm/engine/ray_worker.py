@@ -83,7 +83,7 @@ class RayWorker:
 
     def call(self, method: str, *args: Any) -> Answer:
         """Run the ``Worker`` set-up ``method`` (``kv_cache_bytes``, ``initialize_kv_cache``,
-        ``capture_cuda_graphs``; before any step)."""
+        ``warm_up``, ``capture_cuda_graphs``; before any step)."""
         try:
             return "ok", getattr(self.worker, method)(*args)
         except Exception as exc:

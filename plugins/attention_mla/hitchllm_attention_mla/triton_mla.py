@@ -340,6 +340,8 @@ class TritonMLABackend(TorchMLABackend):
     name: ClassVar[str] = "TRITON_MLA"
     priority: ClassVar[int] = MLA_BACKEND_PRIORITY["TRITON_MLA"]
     cuda_graph_support: ClassVar[CudaGraphSupport] = CudaGraphSupport.UNIFORM_DECODE
+    # A decode batch run eagerly, and the decodes of a mixed batch beside its prompts.
+    warm_up_query_lens: ClassVar[tuple[int, ...]] = (1, 2)
 
     @classmethod
     def validate(cls, spec: AttentionSpec) -> list[str]:

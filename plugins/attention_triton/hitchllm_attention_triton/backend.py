@@ -275,8 +275,9 @@ class TritonAttentionBackend(AttentionBackend):
     priority: ClassVar[int] = 100
     cuda_graph_support: ClassVar[CudaGraphSupport] = CudaGraphSupport.UNIFORM_BATCH
     reads_batch_on_device: ClassVar[bool] = True
-    # Decode tiles eagerly, and the short-query tiles of every length that picks them.
-    warm_up_query_lens: ClassVar[tuple[int, ...]] = tuple(range(1, SHORT_QUERY + 1))
+    # Decode tiles eagerly, the short-query tiles of every length that picks them, and the
+    # prompt tiles every longer query takes (the token count is not specialized).
+    warm_up_query_lens: ClassVar[tuple[int, ...]] = tuple(range(1, SHORT_QUERY + 2))
 
     @classmethod
     def validate(cls, spec: AttentionSpec) -> list[str]:
