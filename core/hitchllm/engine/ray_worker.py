@@ -36,8 +36,10 @@ Answer = tuple[Any, ...]
 class RayWorker:
     """One rank of a tensor-parallel engine, hosted by a Ray actor.
 
-    ``env`` (the driver's ``HITCHLLM_*`` variables) is set before anything is loaded, so that
-    a rank on another node selects the same plugins and log level as the driver.
+    ``env`` (the driver's ``HITCHLLM_*`` variables, and ``TRITON_CACHE_DIR``/``TRITON_HOME``
+    where the user set them) is set before anything is loaded, so that a rank on another node
+    selects the same plugins and log level as the driver and keeps Triton's compiles where
+    the user asked.
     """
 
     def __init__(self, setup: WorkerSetup, rank: ParallelRank, env: dict[str, str]) -> None:
