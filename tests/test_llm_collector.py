@@ -87,13 +87,50 @@ def test_generate_leaves_a_callers_frozen_objects_alone(llama_path, clean_collec
     llm = LLM(llama_path, dtype="float32")
     gc.freeze()
     frozen = gc.get_freeze_count()
+    thresholds = gc.get_threshold()
+    oldest_during = []
+    step = llm.engine.step
+
+    def watching_step():
+        oldest_during.append(gc.get_threshold()[2])
+        return step()
+
+    llm.engine.step = watching_step
     # Not thawed by the batch (and nothing more frozen); a few frozen objects may be freed by
     # their reference counts meanwhile.
     llm.generate(["def f"], PARAMS, use_tqdm=False)
     assert frozen - 1000 < gc.get_freeze_count() <= frozen
+    # Instead, no full collection ran during the batch: the oldest generation's threshold
+    # was out of reach, and is back afterwards.
+    assert oldest_during and min(oldest_during) >= 2**31 - 1
+    assert gc.get_threshold() == thresholds
     llm.beam_search([{"prompt_token_ids": [5, 17, 42]}],
                     BeamSearchParams(beam_width=2, max_tokens=3))
     assert frozen - 1000 < gc.get_freeze_count() <= frozen
+    assert gc.get_threshold() == thresholds
+
+
+def test_a_few_frozen_objects_do_not_bring_back_full_collections(clean_collector):
+    # A library froze a handful of objects: a full collection in the block would walk every
+    # other object alive; none may run.
+    gc.freeze()
+    gc.collect()  # the oldest generation counts no survivors: its next full collection is due soon
+    full = []
+
+    def on_collect(phase, info):
+        if phase == "start" and info["generation"] == 2:
+            full.append(info)
+
+    gc.callbacks.append(on_collect)
+    try:
+        with collector_skips_older_objects():
+            # Enough survivors to reach the oldest generation many times over.
+            kept = [[] for _ in range(300_000)]
+        assert not full and len(kept) == 300_000
+        gc.collect()  # a positive control: the callback sees full collections
+        assert full
+    finally:
+        gc.callbacks.remove(on_collect)
 
 
 def test_a_failing_batch_thaws_and_frees_its_requests(llama_path, clean_collector):

@@ -257,12 +257,13 @@ def test_warm_up_steps_write_nothing_and_change_no_tokens(tiny_models, monkeypat
     assert run(llm, prompts, max_tokens=5) == expected
 
 
-def test_warm_up_samples_once_without_query_lengths(tiny_models, monkeypatch):
-    """A backend that names no query lengths (TORCH) still gets one step and one plain
-    temperature sample at warm-up (the race kernel compiles there on CUDA), drawn from a
-    generator of its own: the engine's seeded stream is untouched."""
+def test_warm_up_samples_every_row_count_without_query_lengths(tiny_models, monkeypatch):
+    """A backend that names no query lengths (TORCH) still gets one step, then the LM head and
+    plain temperature sampling at every row count up to ``max_num_seqs`` (the race kernel
+    compiles there on CUDA, and cuBLAS meets each row count), drawn from a generator of its
+    own: the engine's seeded stream is untouched."""
     llm = LLM(tiny_models["Qwen3ForCausalLM"], attention_backend="TORCH", dtype="float32",
-              seed=11)
+              seed=11, max_num_seqs=6)
     runner = llm.engine.executor.runner
     state = runner.default_generator.get_state()
     sampled = []
@@ -271,5 +272,5 @@ def test_warm_up_samples_once_without_query_lengths(tiny_models, monkeypatch):
                         lambda logits, metadata: sampled.append(len(logits))
                         or sample(logits, metadata))
     runner.warm_up()
-    assert sampled == [1]
+    assert sampled == [1, 2, 3, 4, 5, 6]
     assert torch.equal(runner.default_generator.get_state(), state)
