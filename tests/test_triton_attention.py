@@ -257,20 +257,23 @@ def test_warm_up_steps_write_nothing_and_change_no_tokens(tiny_models, monkeypat
     assert run(llm, prompts, max_tokens=5) == expected
 
 
-def test_warm_up_samples_every_row_count_without_query_lengths(tiny_models, monkeypatch):
-    """A backend that names no query lengths (TORCH) still gets one step, then the LM head and
-    plain temperature sampling at every row count up to ``max_num_seqs`` (the race kernel
-    compiles there on CUDA, and cuBLAS meets each row count), drawn from a generator of its
-    own: the engine's seeded stream is untouched."""
+def test_warm_up_meets_every_lm_head_row_count_without_query_lengths(tiny_models, monkeypatch):
+    """A backend that names no query lengths (TORCH) still gets one step, then the LM head at
+    every row count up to ``max_num_seqs``, largest first (cuBLAS meets each on CUDA), and one
+    plain temperature sample (the race kernel compiles there on CUDA), drawn from a generator
+    of its own: the engine's seeded stream is untouched."""
     llm = LLM(tiny_models["Qwen3ForCausalLM"], attention_backend="TORCH", dtype="float32",
               seed=11, max_num_seqs=6)
     runner = llm.engine.executor.runner
     state = runner.default_generator.get_state()
-    sampled = []
+    sampled, heads = [], []
     sample = runner.sampler.forward
     monkeypatch.setattr(runner.sampler, "forward",
                         lambda logits, metadata: sampled.append(len(logits))
                         or sample(logits, metadata))
+    head = runner.model.compute_logits
+    monkeypatch.setattr(runner.model, "compute_logits",
+                        lambda hidden: heads.append(len(hidden)) or head(hidden))
     runner.warm_up()
-    assert sampled == [1, 2, 3, 4, 5, 6]
+    assert heads == [6, 5, 4, 3, 2, 1] and sampled == [6]
     assert torch.equal(runner.default_generator.get_state(), state)

@@ -233,8 +233,8 @@ class ModelRunner:
         there stalls every request in it); the engine calls it on CUDA. An eager step of each
         query length the attention backend names (``AttentionBackend.warm_up_query_lens``)
         beside a decoding request (alone where the step budget leaves no room for it; a
-        one-token step where the backend names none), then the LM head and plain temperature
-        sampling (``race_kernel`` on CUDA) at every row count (``_warm_up_logits``). No slot
+        one-token step where the backend names none), then the LM head at every row count and
+        plain temperature sampling (``race_kernel`` on CUDA; ``_warm_up_logits``). No slot
         is written; every block-table entry is block 0, which is read; the sampling draws from
         a generator of its own. Every rank runs the same steps (pipeline stages send and
         receive as in a real step). CUDA graphs cover their decode batches; prompt lengths the
@@ -254,16 +254,18 @@ class ModelRunner:
             self._warm_up_logits(hidden[-1:])
 
     def _warm_up_logits(self, row: torch.Tensor) -> None:
-        """The LM head and plain temperature sampling at every row count a step of one token
-        per request samples (1 to ``max_num_seqs``), from copies of the hidden state ``row``.
-        The LM head runs outside the graphs, and cuBLAS chooses and loads a kernel the first
-        time it meets a row count: before this, the first pass over a workload paid that in
-        every prompt-and-decode step and in the shrinking batch's steps (0.1-0.15 s of a 7 s
-        run on an H100; docs/performance.md)."""
+        """The LM head at every row count a step of one token per request samples
+        (``max_num_seqs`` down to 1; the largest first, so its memory serves the rest), from
+        copies of the hidden state ``row``, and plain temperature sampling once. The LM head
+        runs outside the graphs, and cuBLAS chooses and loads a kernel the first time it
+        meets a row count: before this, the first pass over a workload paid that in every
+        prompt-and-decode step and in the shrinking batch's steps (0.1-0.15 s of a 7 s run
+        on an H100; docs/performance.md). Speculative verification and prompt logprobs take
+        more rows than these."""
         rows = row.expand(self.max_num_seqs, -1).contiguous()
-        params = SamplingParams(temperature=1.0)
-        for n in range(1, self.max_num_seqs + 1):
-            self._sample_once(self.model.compute_logits(rows[:n]), params)
+        self._sample_once(self.model.compute_logits(rows), SamplingParams(temperature=1.0))
+        for n in range(self.max_num_seqs - 1, 0, -1):
+            self.model.compute_logits(rows[:n])
 
     def _sample_once(self, logits: torch.Tensor, params: SamplingParams) -> None:
         """Sample every row of ``logits`` with ``params``, from a throwaway generator."""

@@ -94,14 +94,15 @@ class LLM:
         else:
             loras = [lora_request] * len(prompts)
         ids: list[str] = []
-        try:
-            for prompt, p, lora in zip(prompts, params, loras):
-                ids.append(self.engine.add_request(prompt, p, lora_request=lora,
-                                                   final_only=True))
-        except Exception:
-            self.engine.abort_request(ids)
-            raise
-        return self._run(ids, use_tqdm)
+        with collector_skips_older_objects():  # the intake too: tokenizing allocates
+            try:
+                for prompt, p, lora in zip(prompts, params, loras):
+                    ids.append(self.engine.add_request(prompt, p, lora_request=lora,
+                                                       final_only=True))
+            except Exception:
+                self.engine.abort_request(ids)
+                raise
+            return self._run(ids, use_tqdm)
 
     def beam_search(
         self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
@@ -151,13 +152,12 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm)
         try:
-            with collector_skips_older_objects():
-                while pending:
-                    for out in self.engine.step():
-                        if out.finished and out.request_id in pending:
-                            results[out.request_id] = out
-                            pending.discard(out.request_id)
-                            bar.update(1)
+            while pending:
+                for out in self.engine.step():
+                    if out.finished and out.request_id in pending:
+                        results[out.request_id] = out
+                        pending.discard(out.request_id)
+                        bar.update(1)
         except BaseException:
             self.engine.abort_request(list(pending))
             raise

@@ -12,8 +12,12 @@ CPU with a tiny model one took 0.5 s, a pause of every stream (docs/serving.md).
 from __future__ import annotations
 
 import gc
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+# A threshold of the oldest generation that is never reached: no full collection.
+_NEVER = 2**31 - 1
 
 
 @contextmanager
@@ -76,18 +80,16 @@ def collector_skips_older_objects() -> Iterator[None]:
     transformers and the model). Freezing and thawing move whole lists (constant time).
 
     Where objects are frozen already (a command or the server froze its start-up objects, or
-    the caller or a library froze its own), thawing at the end would thaw theirs too: they
-    are left alone, and the block runs with no full collection instead (the young
-    generations are still collected). A library that froze a few hundred objects had turned
-    the freeze off, and a full collection then walked everything: 0.41-0.46 s of the first
-    ``generate`` on an H100 (docs/performance.md)."""
+    the caller, a library or the environment froze some), thawing at the end would thaw
+    theirs too: they are left alone, and the block runs with no full collection instead
+    (``_full_collections_off``; the young generations are still collected). On the GPU
+    machine 375 objects frozen before the script ran had turned the freeze off, and a full
+    collection then walked everything: 0.41-0.46 s of the first ``generate`` on an H100
+    (docs/performance.md). Python 3.14's incremental collector ignores the oldest
+    generation's threshold, and collects it a slice at a time instead."""
     if gc.get_freeze_count():
-        young, middle, oldest = gc.get_threshold()
-        gc.set_threshold(young, middle, _NEVER)
-        try:
+        with _full_collections_off():
             yield
-        finally:
-            gc.set_threshold(young, middle, oldest)
         return
     gc.freeze()
     try:
@@ -96,5 +98,31 @@ def collector_skips_older_objects() -> Iterator[None]:
         gc.unfreeze()
 
 
-# A threshold of the oldest generation that is never reached: no full collection.
-_NEVER = 2**31 - 1
+class _FullCollectionsOff:
+    """Holds the oldest generation's threshold out of reach while any block (in any thread)
+    asks for it: the first to enter saves the threshold, the last to leave gives it back, so
+    blocks of two threads that overlap without nesting restore it all the same."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._oldest = 0
+
+    @contextmanager
+    def __call__(self) -> Iterator[None]:
+        with self._lock:
+            if not self._holders:
+                young, middle, self._oldest = gc.get_threshold()
+                gc.set_threshold(young, middle, _NEVER)
+            self._holders += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._holders -= 1
+                if not self._holders:
+                    young, middle, _ = gc.get_threshold()
+                    gc.set_threshold(young, middle, self._oldest)
+
+
+_full_collections_off = _FullCollectionsOff()
