@@ -21,7 +21,8 @@ from hitchllm.entrypoints.startup import collector_off, collector_skips_older_ob
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 # Python 3.14's incremental collector ignores the oldest generation's threshold.
-OLDEST_THRESHOLD = pytest.mark.skipif(sys.version_info >= (3, 14),
+THRESHOLD_HOLDS = sys.version_info < (3, 14)
+OLDEST_THRESHOLD = pytest.mark.skipif(not THRESHOLD_HOLDS,
                                       reason="the oldest generation's threshold is ignored")
 
 
@@ -76,10 +77,17 @@ def test_generate_freezes_older_objects_for_the_batch_only(llama_path, clean_col
         return step()
 
     llm.engine.step = counting_step
+    add_request = llm.engine.add_request
+
+    def counting_intake(*args, **kwargs):
+        frozen_during.append(gc.get_freeze_count())
+        return add_request(*args, **kwargs)
+
+    llm.engine.add_request = counting_intake
     before = object()  # alive before the batch: frozen while it runs
     outs = llm.generate(["def f", "x = 1"], PARAMS, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4]
-    assert frozen_during and min(frozen_during) > 1000
+    assert len(frozen_during) > 2 and min(frozen_during) > 1000  # the intake's calls too
     assert gc.get_freeze_count() == 0 and gc.isenabled()
     assert not gc.is_finalized(before)
     # Thawed: a cycle made before the batch is collected again afterwards.
@@ -89,7 +97,6 @@ def test_generate_freezes_older_objects_for_the_batch_only(llama_path, clean_col
     assert gc.collect() >= 1
 
 
-@OLDEST_THRESHOLD
 def test_generate_leaves_a_callers_frozen_objects_alone(llama_path, clean_collector):
     llm = LLM(llama_path, dtype="float32")
     gc.freeze()
@@ -103,14 +110,26 @@ def test_generate_leaves_a_callers_frozen_objects_alone(llama_path, clean_collec
         return step()
 
     llm.engine.step = watching_step
+    add_request = llm.engine.add_request
+
+    def watching_intake(*args, **kwargs):
+        oldest_during.append(gc.get_threshold()[2])
+        return add_request(*args, **kwargs)
+
+    llm.engine.add_request = watching_intake
     # Not thawed by the batch (and nothing more frozen); a few frozen objects may be freed by
     # their reference counts meanwhile.
     llm.generate(["def f"], PARAMS, use_tqdm=False)
     assert frozen - 1000 < gc.get_freeze_count() <= frozen
-    # Instead, no full collection ran during the batch: the oldest generation's threshold
-    # was out of reach, and is back afterwards.
-    assert oldest_during and min(oldest_during) >= 2**31 - 1
-    assert gc.get_threshold() == thresholds
+    if THRESHOLD_HOLDS:
+        # Instead, no full collection ran during the batch, its intake included: the oldest
+        # generation's threshold was out of reach, and is back afterwards.
+        assert len(oldest_during) >= 2 and min(oldest_during) >= 2**31 - 1
+        assert gc.get_threshold() == thresholds
+    # A prompt the engine refuses: the threshold comes back all the same.
+    with pytest.raises(ValueError):
+        llm.generate(["def f", {"prompt_token_ids": []}], PARAMS, use_tqdm=False)
+    assert gc.get_threshold() == thresholds and not llm.engine.has_unfinished_requests()
     llm.beam_search([{"prompt_token_ids": [5, 17, 42]}],
                     BeamSearchParams(beam_width=2, max_tokens=3))
     assert frozen - 1000 < gc.get_freeze_count() <= frozen
@@ -151,8 +170,10 @@ def test_blocks_that_overlap_without_nesting_give_the_threshold_back(clean_colle
     second.enter_context(collector_skips_older_objects())
     first.close()
     assert gc.get_threshold()[2] == 2**31 - 1  # the second still holds full collections off
+    gc.set_threshold(500, thresholds[1], gc.get_threshold()[2])  # set meanwhile: kept
     second.close()
-    assert gc.get_threshold() == thresholds
+    assert gc.get_threshold() == (500, *thresholds[1:])
+    gc.set_threshold(*thresholds)
 
 
 def test_a_failing_batch_thaws_and_frees_its_requests(llama_path, clean_collector):

@@ -99,7 +99,7 @@ class LLM:
                 for prompt, p, lora in zip(prompts, params, loras):
                     ids.append(self.engine.add_request(prompt, p, lora_request=lora,
                                                        final_only=True))
-            except Exception:
+            except BaseException:  # an interrupt too: none of the prompts stays queued
                 self.engine.abort_request(ids)
                 raise
             return self._run(ids, use_tqdm)

@@ -85,7 +85,9 @@ def collector_skips_older_objects() -> Iterator[None]:
     (``_full_collections_off``; the young generations are still collected). On the GPU
     machine 375 objects frozen before the script ran had turned the freeze off, and a full
     collection then walked everything: 0.41-0.46 s of the first ``generate`` on an H100
-    (docs/performance.md). Python 3.14's incremental collector ignores the oldest
+    (docs/performance.md). Garbage in reference cycles that lives long enough to reach the
+    oldest generation then waits for the end of the block (a batch's requests and outputs
+    left none in measurements). Python 3.14's incremental collector ignores the oldest
     generation's threshold, and collects it a slice at a time instead."""
     if gc.get_freeze_count():
         with _full_collections_off():
@@ -104,7 +106,8 @@ class _FullCollectionsOff:
     blocks of two threads that overlap without nesting restore it all the same."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # Reentrant: a collection triggered while it is held may run finalizers that enter.
+        self._lock = threading.RLock()
         self._holders = 0
         self._oldest = 0
 
