@@ -17,6 +17,7 @@ import pytest
 from hitchllm import LLM, SamplingParams
 from hitchllm.beam_search import BeamSearchParams
 from hitchllm.engine import llm_engine
+from hitchllm.entrypoints import startup
 from hitchllm.entrypoints.startup import collector_off, collector_skips_older_objects
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -166,14 +167,70 @@ def test_blocks_that_overlap_without_nesting_give_the_threshold_back(clean_colle
     gc.freeze()
     thresholds = gc.get_threshold()
     first, second = ExitStack(), ExitStack()
-    first.enter_context(collector_skips_older_objects())
-    second.enter_context(collector_skips_older_objects())
-    first.close()
-    assert gc.get_threshold()[2] == 2**31 - 1  # the second still holds full collections off
-    gc.set_threshold(500, thresholds[1], gc.get_threshold()[2])  # set meanwhile: kept
-    second.close()
-    assert gc.get_threshold() == (500, *thresholds[1:])
-    gc.set_threshold(*thresholds)
+    try:
+        first.enter_context(collector_skips_older_objects())
+        second.enter_context(collector_skips_older_objects())
+        first.close()
+        assert gc.get_threshold()[2] == 2**31 - 1  # the second still holds them off
+        gc.set_threshold(500, thresholds[1], gc.get_threshold()[2])  # set meanwhile: kept
+        second.close()
+        assert gc.get_threshold() == (500, *thresholds[1:])
+    finally:
+        first.close()
+        second.close()
+        gc.set_threshold(*thresholds)
+
+
+@OLDEST_THRESHOLD
+def test_a_finalizer_entering_while_the_threshold_changes_loses_nothing(
+        clean_collector, monkeypatch):
+    """A collection triggered inside the holder's own bookkeeping (here: as the last holder
+    reads the thresholds to give the oldest back) may run a finalizer that runs a batch: the
+    threshold that comes back is the process's, not the held one."""
+    gc.freeze()
+    thresholds = gc.get_threshold()
+    reentered = []
+
+    class Reentering:
+        """``gc`` as seen by ``startup``, entering a block from its first threshold read."""
+
+        def __getattr__(self, name):
+            return getattr(gc, name)
+
+        def get_threshold(self):
+            if not reentered and gc.get_threshold()[2] == 2**31 - 1:  # the holder's exit
+                reentered.append(True)
+                with collector_skips_older_objects():
+                    pass
+            return gc.get_threshold()
+
+    monkeypatch.setattr(startup, "gc", Reentering())
+    try:
+        with collector_skips_older_objects():
+            assert gc.get_threshold()[2] == 2**31 - 1
+        assert reentered and gc.get_threshold() == thresholds
+    finally:
+        gc.set_threshold(*thresholds)
+
+
+def test_an_interrupt_during_intake_leaves_nothing_queued(llama_path, clean_collector):
+    llm = LLM(llama_path, dtype="float32")
+    gc.freeze()
+    thresholds = gc.get_threshold()
+    add_request = llm.engine.add_request
+    calls = []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return add_request(*args, **kwargs)
+
+    llm.engine.add_request = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["def f", "x = 1", "y"], PARAMS, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert gc.get_threshold() == thresholds
 
 
 def test_a_failing_batch_thaws_and_frees_its_requests(llama_path, clean_collector):

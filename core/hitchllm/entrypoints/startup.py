@@ -86,9 +86,9 @@ def collector_skips_older_objects() -> Iterator[None]:
     machine 375 objects frozen before the script ran had turned the freeze off, and a full
     collection then walked everything: 0.41-0.46 s of the first ``generate`` on an H100
     (docs/performance.md). Garbage in reference cycles that lives long enough to reach the
-    oldest generation then waits for the end of the block (a batch's requests and outputs
-    left none in measurements). Python 3.14's incremental collector ignores the oldest
-    generation's threshold, and collects it a slice at a time instead."""
+    oldest generation then waits for the end of the block. Python 3.14's incremental
+    collector ignores the oldest generation's threshold, and collects it a slice at a time
+    instead."""
     if gc.get_freeze_count():
         with _full_collections_off():
             yield
@@ -106,7 +106,8 @@ class _FullCollectionsOff:
     blocks of two threads that overlap without nesting restore it all the same."""
 
     def __init__(self) -> None:
-        # Reentrant: a collection triggered while it is held may run finalizers that enter.
+        # Reentrant: a collection triggered while it is held may run finalizers that enter
+        # (a nested block, since the count is taken before the thresholds are touched).
         self._lock = threading.RLock()
         self._holders = 0
         self._oldest = 0
@@ -114,18 +115,18 @@ class _FullCollectionsOff:
     @contextmanager
     def __call__(self) -> Iterator[None]:
         with self._lock:
-            if not self._holders:
+            self._holders += 1
+            if self._holders == 1:
                 young, middle, self._oldest = gc.get_threshold()
                 gc.set_threshold(young, middle, _NEVER)
-            self._holders += 1
         try:
             yield
         finally:
             with self._lock:
-                self._holders -= 1
-                if not self._holders:
+                if self._holders == 1:
                     young, middle, _ = gc.get_threshold()
                     gc.set_threshold(young, middle, self._oldest)
+                self._holders -= 1
 
 
 _full_collections_off = _FullCollectionsOff()
