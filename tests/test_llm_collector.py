@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import sys
 import weakref
+from collections.abc import Callable
 from contextlib import ExitStack
 
 import pytest
@@ -68,23 +69,27 @@ def test_engine_is_built_with_the_collector_off(monkeypatch, llama_path, clean_c
     assert not gc.isenabled() and seen[-1] == (False, False)
 
 
-def test_generate_freezes_older_objects_for_the_batch_only(llama_path, clean_collector):
-    llm = LLM(llama_path, dtype="float32")
-    frozen_during = []
-    step = llm.engine.step
+def _read_during_batch(llm: LLM, read: Callable[[], int]) -> list[int]:
+    """``read()`` at every request the engine takes in and every step it runs, in order."""
+    seen: list[int] = []
+    engine = llm.engine
+    step, add_request = engine.step, engine.add_request
 
-    def counting_step():
-        frozen_during.append(gc.get_freeze_count())
+    def reading_step():
+        seen.append(read())
         return step()
 
-    llm.engine.step = counting_step
-    add_request = llm.engine.add_request
-
-    def counting_intake(*args, **kwargs):
-        frozen_during.append(gc.get_freeze_count())
+    def reading_intake(*args, **kwargs):
+        seen.append(read())
         return add_request(*args, **kwargs)
 
-    llm.engine.add_request = counting_intake
+    engine.step, engine.add_request = reading_step, reading_intake
+    return seen
+
+
+def test_generate_freezes_older_objects_for_the_batch_only(llama_path, clean_collector):
+    llm = LLM(llama_path, dtype="float32")
+    frozen_during = _read_during_batch(llm, gc.get_freeze_count)
     before = object()  # alive before the batch: frozen while it runs
     outs = llm.generate(["def f", "x = 1"], PARAMS, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4]
@@ -103,21 +108,7 @@ def test_generate_leaves_a_callers_frozen_objects_alone(llama_path, clean_collec
     gc.freeze()
     frozen = gc.get_freeze_count()
     thresholds = gc.get_threshold()
-    oldest_during = []
-    step = llm.engine.step
-
-    def watching_step():
-        oldest_during.append(gc.get_threshold()[2])
-        return step()
-
-    llm.engine.step = watching_step
-    add_request = llm.engine.add_request
-
-    def watching_intake(*args, **kwargs):
-        oldest_during.append(gc.get_threshold()[2])
-        return add_request(*args, **kwargs)
-
-    llm.engine.add_request = watching_intake
+    oldest_during = _read_during_batch(llm, lambda: gc.get_threshold()[2])
     # Not thawed by the batch (and nothing more frozen); a few frozen objects may be freed by
     # their reference counts meanwhile.
     llm.generate(["def f"], PARAMS, use_tqdm=False)
