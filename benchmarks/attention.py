@@ -17,6 +17,7 @@ bf16 one within fp8's rounding, and with ``--tune`` tunes the fp8 decode tile in
 
     python benchmarks/attention.py [--sweep] [--tune] [--kv-cache-dtype fp8]
                                    [--results benchmarks/RESULTS.md]
+    python benchmarks/attention.py --order | --decode-tiles
 """
 
 from __future__ import annotations
@@ -297,10 +298,16 @@ def main() -> None:
     parser.add_argument("--order", action="store_true",
                         help="time decode of mixed context lengths in index order and longest "
                              "first, side by side")
+    parser.add_argument("--decode-tiles", action="store_true",
+                        help="time the default decode configuration against a grid of split "
+                             "counts, tiles and stages at the throughput run's batch sizes")
     parser.add_argument("--results", type=Path)
     args = parser.parse_args()
     if args.order:
         compare_orders(args)
+        return
+    if args.decode_tiles:
+        compare_decode_tiles(args)
         return
     if args.kv_cache_dtype:
         compare_kv_dtypes(args, parse_kv_cache_dtype(args.kv_cache_dtype, DTYPE))
@@ -354,6 +361,57 @@ def compare_orders(args: argparse.Namespace) -> None:
                     f"{case.kv_bytes() / t_longest / 1e6:.2f} | {t_index / t_longest:.3f} |")
             print(line, flush=True)
             lines.append(line)
+    if args.results:
+        with args.results.open("a") as f:
+            f.write("\n" + "\n".join(lines) + "\n")
+
+
+def compare_decode_tiles(args: argparse.Namespace) -> None:
+    """TRITON_ATTN decode at the throughput run's batch sizes and context mix (Qwen3-0.6B's 16
+    query and 8 KV heads, prompts of 100-1,024 tokens plus up to 1,000 generated): the default
+    configuration against a grid of split counts, tile lengths and pipeline stages. Each replay
+    runs enough copies of the case (caches of their own, about 200 MB in all) that the KV comes
+    from memory, as across a forward's layers, not from the L2 cache."""
+    rng = random.Random(0)
+    grid = [KernelConfig(1, 16, block_n, 4, stages, splits) for splits in (1, 2, 4, 8)
+            for block_n in (64, 128) for stages in (2, 3)]
+    header = ("| requests | default config | default us | TB/s | best of the grid | its us | "
+              "default vs best |\n|---|---|---|---|---|---|---|")
+    lines = [f"### TRITON_ATTN decode configurations ({date.today()}, {describe_machine()})",
+             "", "`python benchmarks/attention.py --decode-tiles`", "", header]
+    print(header)
+
+    def per_case_us(fns: list) -> float:
+        def run() -> None:
+            for fn in fns:
+                fn()
+        return time_us(run) / len(fns)
+
+    def label(c: KernelConfig) -> str:
+        return f"x{c.num_splits} n{c.block_n} s{c.num_stages}"
+
+    for n in (4, 8, 16, 24, 32, 48, 64, 80, 96, 128, 192):
+        case = Case(f"{n}", [rng.randint(100, 1024) + rng.randint(0, 1000) for _ in range(n)],
+                    [1] * n, num_heads=16, num_kv_heads=8)
+        benches = [Bench(case) for _ in range(max(1, math.ceil(200e6 / case.kv_bytes())))]
+        default, fn = benches[0].triton_fn()
+        expected = fn().float()
+        t_default = per_case_us([b.triton_fn()[1] for b in benches])
+        timed = []
+        for cfg in grid:
+            fns = [b.triton_fn(cfg)[1] for b in benches]
+            err = (fns[0]().float() - expected).abs().max().item()
+            if err > 2e-2:
+                raise AssertionError(f"{n} requests, {cfg}: differs from the default by {err}")
+            timed.append((per_case_us(fns), cfg))
+        t_best, best = min(timed, key=lambda r: r[0])
+        line = (f"| {n} | {label(default)} | {t_default:.1f} | "
+                f"{case.kv_bytes() / t_default / 1e6:.2f} | {label(best)} | {t_best:.1f} | "
+                f"{t_best / t_default:.3f} |")
+        print(line, flush=True)
+        lines.append(line)
+        del benches
+        torch.cuda.empty_cache()
     if args.results:
         with args.results.open("a") as f:
             f.write("\n" + "\n".join(lines) + "\n")
