@@ -137,6 +137,22 @@ def test_a_stream_left_early_aborts_its_request(llama_path):
     assert again.finished  # the engine carries on
 
 
+def test_a_stream_interrupted_as_its_request_is_queued_aborts_it(llama_path):
+    """An interrupt between the engine queuing the request and the id coming back."""
+    llm = LLM(llama_path, block_size=4)
+    add_request = llm.engine.add_request
+
+    def interrupted_on_return(*args, **kwargs):
+        add_request(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    llm.engine.add_request = interrupted_on_return
+    with pytest.raises(KeyboardInterrupt):
+        next(stream_request(llm.engine, "abc", SamplingParams(max_tokens=5)))
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.kv_cache.usage == 0
+
+
 # ---- chat keeps going past the context --------------------------------------------------------
 
 def test_fit_conversation_drops_oldest_turns_and_keeps_the_system_message():

@@ -224,6 +224,31 @@ def test_an_interrupt_during_intake_leaves_nothing_queued(llama_path, clean_coll
     assert gc.get_threshold() == thresholds
 
 
+def test_an_interrupt_after_the_engine_queued_a_prompt_leaves_nothing_queued(
+        llama_path, clean_collector):
+    """The interrupt lands once ``add_request`` has queued the second prompt, before its id
+    returns: ``generate`` knew the id from before, so that request is aborted too."""
+    llm = LLM(llama_path, dtype="float32", block_size=4)
+    add_request = llm.engine.add_request
+    calls = []
+
+    def interrupted_on_return(*args, **kwargs):
+        request_id = add_request(*args, **kwargs)
+        calls.append(request_id)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return request_id
+
+    llm.engine.add_request = interrupted_on_return
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["def f", "x = 1", "y"], PARAMS, use_tqdm=False)
+    assert len(calls) == 2
+    assert not llm.engine.has_unfinished_requests()
+    assert not llm.engine.output_processor.parents
+    del llm.engine.add_request
+    assert llm.generate("def f", PARAMS, use_tqdm=False)[0].finished  # the engine carries on
+
+
 def test_a_failing_batch_thaws_and_frees_its_requests(llama_path, clean_collector):
     llm = LLM(llama_path, dtype="float32")
 

@@ -516,9 +516,7 @@ class LLMEngine:
                 f"enable_lora=True (--enable-lora), which needs the {LORA_PLUGIN} plugin "
                 f"(pip install {LORA_PLUGIN})")
         if request_id is None:
-            request_id = str(next(self._request_counter))
-            while self._id_in_use(request_id, params.n):
-                request_id = str(next(self._request_counter))
+            request_id = self.new_request_id(params.n)
         elif self._id_in_use(request_id, params.n):
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize(prompt)
@@ -551,6 +549,15 @@ class LLMEngine:
         self.output_processor.add(request_id, text, children, final_only)
         for child in children:
             self.scheduler.add_request(child)
+        return request_id
+
+    def new_request_id(self, n: int = 1) -> str:
+        """An id that no live request uses, nor any of the ``n`` sequences' ids a request of
+        ``n`` samples takes: for ``add_request``'s ``request_id``, so that a caller who records
+        the id before queuing can abort the request whatever interrupts it after."""
+        request_id = str(next(self._request_counter))
+        while self._id_in_use(request_id, n):
+            request_id = str(next(self._request_counter))
         return request_id
 
     def _check_kv_transfer_params(

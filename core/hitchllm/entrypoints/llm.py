@@ -97,8 +97,11 @@ class LLM:
         with collector_skips_older_objects():  # the intake too: tokenizing allocates
             try:
                 for prompt, p, lora in zip(prompts, params, loras):
-                    ids.append(self.engine.add_request(prompt, p, lora_request=lora,
-                                                       final_only=True))
+                    # The id is recorded before the request is queued, so that an interrupt
+                    # landing after the engine queued it still finds it to abort.
+                    ids.append(self.engine.new_request_id(p.n if p is not None else 1))
+                    self.engine.add_request(prompt, p, request_id=ids[-1], lora_request=lora,
+                                            final_only=True)
             except BaseException:  # an interrupt too: none of the prompts stays queued
                 self.engine.abort_request(ids)
                 raise

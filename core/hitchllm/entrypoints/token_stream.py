@@ -17,9 +17,10 @@ def stream_request(
     """Queue ``prompt`` and yield its output after every step that advanced it; the last one
     is finished. If the caller stops early (Ctrl-C, a closed pipe), the request is aborted so
     that its KV blocks go back to the pool."""
-    request_id = engine.add_request(prompt, params)
+    request_id = engine.new_request_id(params.n)
     finished = False
-    try:
+    try:  # from before the request is queued: an interrupt right after still aborts it
+        engine.add_request(prompt, params, request_id=request_id)
         while not finished:
             for out in engine.step():
                 if out.request_id == request_id:
