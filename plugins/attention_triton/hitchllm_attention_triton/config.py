@@ -73,17 +73,19 @@ def choose_kernel_config(
     if force_splits is not None:
         splits = force_splits
     elif decode_only and on_gpu:
-        programs = num_reqs * num_kv_heads
+        programs = max(1, num_reqs * num_kv_heads)
         # Split when the batch alone leaves SMs short of work and contexts are long. fp8 (tuned
-        # to its own tile): under two waves of SMs, rounded up. bf16/fp16: up to four waves,
-        # rounded down (on an H100 at Qwen3-0.6B's 8 KV heads and the throughput run's
-        # contexts, benchmarks/attention.py --decode-tiles: 8 splits at 8 requests and 4 at 16
-        # were 1.05-1.13x faster than the 4 and 2 of two waves; 48 requests unsplit 1.06x
-        # faster than in two).
+        # to its own tile): under two waves of SMs, rounded up. bf16/fp16: as many ranges as
+        # four waves hold, rounded down, and more than 8 only while they stay within two waves
+        # (H100, Qwen3-0.6B's 8 KV heads, the throughput run's contexts; RESULTS.md, session of
+        # 2026-11-28 (fourth): 16 at 2 requests, 8 at 4-8, 4 at 16, 2 at 24-32, none from 48
+        # were each the best or within 3% of the best of the grid).
         if kv_bytes == 1:
             share = -(-2 * num_sms // programs) if programs < 2 * num_sms else 1
         else:
             share = 4 * num_sms // programs
+            if share > 8:
+                share = max(8, 2 * num_sms // programs)
         splits = max(1, min(share, max_seq_len // (4 * block_n), 64))
         # A power of two: the count is a constexpr, and each distinct value is a kernel compile
         # of its own. Exact counts took up to ~30 values as batches shrank and contexts grew,
@@ -91,12 +93,13 @@ def choose_kernel_config(
         # most of its time there); seven values cover them all.
         splits = 1 << (splits.bit_length() - 1)
         if kv_bytes > 1:
-            # Up to four waves of programs with one or two long ranges each: tiles of 128
-            # tokens, 1.03-1.11x faster than 64 at 24-64 requests (above that, or with shorter
-            # ranges, 64 stays faster). Two pipeline stages up to 12 waves: as fast or faster
-            # than three at 4-160 requests, while three measured 0.4% faster at 192-256 in
-            # whole runs.
-            if (splits <= 2 and programs * splits <= 4 * num_sms
+            # Tiles of 128 tokens where four waves or fewer of programs each walk one or two
+            # long ranges (the grid's best at 24-64 requests; from 80 on, 64 and 128 were
+            # within 1-2% and 64 stays), for heads up to 128 (a larger head doubles the tile's
+            # shared memory, not measured). Two pipeline stages below 12 waves: the grid's
+            # best at every size from 4 to 160 requests, while three measured 0.4% faster at
+            # 192-256 in whole runs.
+            if (splits <= 2 and programs * splits <= 4 * num_sms and head_size <= 128
                     and max_seq_len >= splits * 4 * 128):
                 block_n = 128
             num_stages = 2 if programs * splits < 12 * num_sms else 3
