@@ -395,7 +395,7 @@ def compare_decode_tiles(args: argparse.Namespace) -> None:
     def label(c: KernelConfig) -> str:
         return f"x{c.num_splits} n{c.block_n} s{c.num_stages}"
 
-    for n in (4, 8, 16, 24, 32, 48, 64, 80, 96, 128, 192):
+    for n in (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128, 192):
         case = Case(f"{n}", [rng.randint(100, 1024) + rng.randint(0, 1000) for _ in range(n)],
                     [1] * n, num_heads=16, num_kv_heads=8)
         benches = [Bench(case) for _ in range(max(1, math.ceil(200e6 / case.kv_bytes())))]

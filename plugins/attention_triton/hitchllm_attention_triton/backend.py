@@ -78,8 +78,9 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
         # the GPU waits. On an H100 (benchmarks/attention.py --order): 1.05-1.17x faster at
         # 32 to 256 requests of mixed lengths, the same on equal lengths; forced at 8-16
         # requests (one wave, a scratch run) 1-3% slower, hence the threshold. The split counts
-        # chosen since (up to four waves) put 8-16 requests past it; their timings in the
-        # decode-tiles grid were taken with it. A graph replayed
+        # chosen since (up to four waves) put batches of 5 requests or more of 8 KV heads past
+        # it; the decode-tiles grid (4-160 requests) was timed with it, index order at 5-16
+        # was not. A graph replayed
         # without a build (the EAGLE draft chain) keeps its size's last order: a permutation
         # all the same, so only the balance is lost.
         self.longest_first = self.device.type == "cuda"
