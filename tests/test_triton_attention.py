@@ -234,14 +234,16 @@ def test_gpu_bf16_real_sizes(case, heads):
 
 
 @pytest.mark.gpu
-def test_gpu_prompt_step_with_decodes_apart(built):
-    """A prompt step with 80 decoding requests of 8 KV heads (past two waves of an H100's
-    SMs): their own decode launch, checked against the reference."""
+@pytest.mark.parametrize("decodes, shortest", [(80, 1), (50, 600)], ids=["tiles64", "tiles128"])
+def test_gpu_prompt_step_with_decodes_apart(built, decodes, shortest):
+    """A prompt step with 50 or 80 decoding requests of 8 KV heads (past two waves of an
+    H100's SMs; 50 with contexts long enough for 128-token tiles): their own decode launch,
+    checked against the reference."""
     import random
 
     rng = random.Random(0)
-    ctx = [0, 300] + [rng.randint(1, 2000) for _ in range(80)]
-    q = [700, 200] + [1] * 80
+    ctx = [0, 300] + [rng.randint(shortest, 2000) for _ in range(decodes)]
+    q = [700, 200] + [1] * decodes
     out, ref, _, _ = run_triton(ctx, q, 16, 8, head_size=128, block_size=16,
                                 dtype=torch.bfloat16, device="cuda")
     assert built[-1].decode_reqs is not None

@@ -93,10 +93,16 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
         # fill more than two waves of SMs: in the prompt tiles each takes a tile of up to
         # 128 query rows for its one query and walks its context 32 tokens at a time.
         self.decodes_apart = self.device.type == "cuda"
+        # The longest context CUDA-graph batches choose their configuration by (the engine's
+        # max_model_len): decodes apart take theirs by it too, so that they run a kernel variant
+        # the graphs' capture compiled at start-up rather than one of their own.
+        self._graph_max_seq_len: int | None = None
 
     def build(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
         n = common.num_reqs
         spec = self.spec
+        if common.cuda_graph:
+            self._graph_max_seq_len = common.max_seq_len
         kernel = choose_kernel_config(
             num_reqs=n, max_query_len=common.max_query_len, max_seq_len=common.max_seq_len,
             num_kv_heads=spec.num_kv_heads, group=spec.num_heads // spec.num_kv_heads,
@@ -156,7 +162,8 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
             return q_lens
         seq_lens = common.seq_lens_cpu[: common.num_reqs].numpy()[decoding]
         kernel = choose_kernel_config(
-            num_reqs=len(decoding), max_query_len=1, max_seq_len=int(seq_lens.max()),
+            num_reqs=len(decoding), max_query_len=1,
+            max_seq_len=self._graph_max_seq_len or int(seq_lens.max()),
             num_kv_heads=spec.num_kv_heads, group=spec.num_heads // spec.num_kv_heads,
             head_size=spec.head_size, num_sms=self.num_sms, on_gpu=self.device.type == "cuda",
             kv_bytes=spec.kv_cache_dtype.itemsize)
