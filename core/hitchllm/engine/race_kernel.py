@@ -14,8 +14,10 @@ Rows with temperature 0 take the argmax of the logits. Ties go to the lowest id,
 The kernel is bound by arithmetic, not by its read (Philox and two logarithms an id), so it
 scores in base 2: ``logits * (log2(e) / T) - log2(q)``, the race's score times ``log2(e)``,
 which has the same winner. ``q = -log u`` stays accurate (for ``u`` near 1, ``q`` is tiny
-and decides the race); the outer logarithm is the GPU's fast one (``lg2.approx``), whose
-absolute error (about 2^-22.6) is below the float32 rounding of ``logits * scale`` itself.
+and decides the race); the outer logarithm is the GPU's fast one (``lg2.approx``: within
+about 2^-22 for ``q`` in [0.5, 2], a few units in the last place of ``log2 q`` elsewhere, at
+most about 2^-18 for the smallest ``q``), which moves any id's odds by a few parts in a
+million at most, the order of float32's own rounding of ``logits * scale``.
 
 Each program takes one row's chunk of up to 8,192 ids and writes its best score and id; a
 ``[N, chunks]`` argmax picks the row's winner (the first chunk among equal scores).
@@ -27,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+from hitchllm.attention.triton_support import triton_interpreting
 
 # Lanes per program (fewer for a small vocabulary); each loop step scores 4 ids per lane with
 # one Philox call, and a program takes up to LOOPS steps of one row.
@@ -101,6 +105,7 @@ def race_sample(logits: torch.Tensor, temperature: torch.Tensor,
     ids = torch.empty(n, num_chunks, dtype=torch.int32, device=logits.device)
     _race_kernel[(n, num_chunks)](logits, logits.stride(0), temperature, seed, scores, ids,
                                   vocab_size, num_chunks, CHUNK=chunk, BLOCK=block,
-                                  FAST_LOG2=logits.is_cuda and torch.version.hip is None)
+                                  FAST_LOG2=(logits.is_cuda and torch.version.hip is None
+                                             and not triton_interpreting()))
     winner = scores.argmax(dim=1, keepdim=True)
     return ids.gather(1, winner).squeeze(1).to(torch.int64)
