@@ -10,7 +10,7 @@ import torch
 from test_sampler import CASES, LOGITS, NUM_SAMPLES, distribution_mismatch, reference_probs
 
 from hitchllm.engine import sampler as sampler_module
-from hitchllm.engine.race_kernel import race_sample
+from hitchllm.engine.race_kernel import _race_kernel, race_sample
 from hitchllm.engine.sampler import Sampler
 from hitchllm.engine.sampling_metadata import build_sampling_metadata
 from hitchllm.sampling_params import SamplingParams
@@ -42,6 +42,31 @@ def test_noise_differs_by_row_repeats_by_seed_and_never_picks_minus_inf():
     assert torch.equal(first, again) and not torch.equal(first, other)
     assert (first % 2 == 0).all()  # only the finite (even) ids
     assert len(set(first.tolist())) > 10  # 48 rows of 32 equal tokens: each row its own noise
+
+
+def _race_scores(logit: float, temperature: float, rows: int, ids: int = 1) -> torch.Tensor:
+    """Each row's best score when its first ``ids`` ids have ``logit`` and the rest of its 64
+    are -inf (seed 7: a row keeps its noise from call to call)."""
+    logits = torch.full((rows, 64), float("-inf"))
+    logits[:, :ids] = logit
+    scores = torch.empty(rows, 1)
+    _race_kernel[(rows, 1)](logits, logits.stride(0), torch.full((rows,), temperature),
+                            torch.tensor([7]), scores, torch.empty(rows, 1, dtype=torch.int32),
+                            64, 1, CHUNK=64, BLOCK=16, FAST_LOG2=False)
+    return scores.squeeze(1).double()
+
+
+def test_scores_are_the_race_in_base_2():
+    """Score = logit * log2(e) / T - log2(q), q = -ln(u) exponential: the same noise under two
+    temperatures differs by the scaled logit; with 64 ids of logit 0 a row's best score is
+    -log2 of the least of 64 exponentials, whose mean is 1/64 (a natural-log score would give
+    2^-score a mean of about 0.0032)."""
+    base = _race_scores(0.0, 1.0, 100)
+    hot = _race_scores(3.0, 0.5, 100)
+    torch.testing.assert_close(hot - base, torch.full_like(base, 6 / np.log(2)), atol=1e-4,
+                               rtol=0)
+    least = torch.exp2(-_race_scores(0.0, 1.0, 300, ids=64))
+    assert abs(least.mean().item() - 1 / 64) < 5 / 64 / np.sqrt(300)
 
 
 def _plain(n: int, temperature: float, device: torch.device):

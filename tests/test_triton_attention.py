@@ -27,7 +27,7 @@ CASES = {
 def run_triton(context_lens, query_lens, num_heads, num_kv_heads, head_size=16, block_size=4,
                dtype=torch.float32, device="cpu", splits=None, sliding_window=None,
                soft_cap=None, num_blocks=None, seed=0, longest_first=None, cuda_graph=False,
-               order=None):
+               order=None, decodes_apart=None):
     spec = AttentionSpec(device_type=torch.device(device).type, dtype=dtype,
                          kv_cache_dtype=dtype, head_size=head_size, num_heads=num_heads,
                          num_kv_heads=num_kv_heads, block_size=block_size,
@@ -48,6 +48,8 @@ def run_triton(context_lens, query_lens, num_heads, num_kv_heads, head_size=16, 
     builder.force_num_splits = splits
     if longest_first is not None:
         builder.longest_first = longest_first
+    if decodes_apart is not None:
+        builder.decodes_apart = decodes_apart
     meta = builder.build(dataclasses.replace(batch.common, cuda_graph=cuda_graph))
     if order is not None:  # in place of the builder's (decode batches)
         meta.order = order
@@ -77,6 +79,44 @@ def test_split_kv_decode_matches_reference_and_unsplit(splits):
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     unsplit, _, _, _ = run_triton(ctx, q, 8, 2, splits=1)
     torch.testing.assert_close(out, unsplit, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture
+def built(monkeypatch):
+    """The metadata of every TRITON_ATTN build, in order."""
+    from hitchllm_attention_triton.backend import TritonAttentionMetadataBuilder
+
+    metadata = []
+    build = TritonAttentionMetadataBuilder.build
+    monkeypatch.setattr(TritonAttentionMetadataBuilder, "build",
+                        lambda self, common: metadata.append(build(self, common)) or metadata[-1])
+    return metadata
+
+
+@pytest.mark.parametrize("window", [None, 7], ids=["full", "window"])
+def test_a_prompt_steps_decodes_apart_match_the_reference(built, window):
+    """A prompt step whose one-token requests fill two waves (the interpreter's builder counts
+    4 SMs: more than 4 of them at 2 KV heads) runs them in a decode launch of their own,
+    longest first, and the prompt tiles over the rest; both agree with the float64 reference
+    and with the one launch over every tile. A one-token prompt (no context) counts too."""
+    ctx = [12, 0, 40, 3, 25, 9, 0, 17, 30, 5]
+    q = [1, 9, 1, 1, 1, 6, 1, 1, 1, 1]
+    out, ref, _, _ = run_triton(ctx, q, 8, 2, decodes_apart=True, sliding_window=window)
+    meta = built[-1]
+    assert meta.decode_reqs is not None and meta.decode_kernel.block_q == 1
+    decoding = [i for i, n in enumerate(q) if n == 1]
+    assert meta.decode_reqs.tolist() == sorted(decoding, key=lambda i: -ctx[i])
+    assert sorted(meta.tile_req[: meta.num_tiles].tolist()) == [1, 1, 1, 5, 5]  # 4-query tiles
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    together, _, _, _ = run_triton(ctx, q, 8, 2, decodes_apart=False, sliding_window=window)
+    assert built[-1].decode_reqs is None
+    torch.testing.assert_close(out, together, atol=1e-5, rtol=1e-5)
+
+
+def test_a_few_decodes_stay_in_the_prompt_tiles(built):
+    out, ref, _, _ = run_triton([12, 0, 40, 3, 25], [1, 9, 1, 1, 1], 8, 2, decodes_apart=True)
+    assert built[-1].decode_reqs is None  # 4 decodes x 2 KV heads: one wave of 4 SMs, twice
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
 def _decode_order(builder, context_lens, cuda_graph=False):
@@ -191,6 +231,27 @@ def test_gpu_bf16_real_sizes(case, heads):
         out, ref, _, _ = run_triton(*case, *heads, head_size=128, block_size=block_size,
                                     dtype=torch.bfloat16, device="cuda")
         torch.testing.assert_close(out.double().cpu(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("decodes, shortest", [(80, 1), (50, 600)], ids=["tiles64", "tiles128"])
+def test_gpu_prompt_step_with_decodes_apart(built, decodes, shortest):
+    """A prompt step with 50 or 80 decoding requests of 8 KV heads (past two waves of an
+    H100's SMs; 50 with contexts long enough for 128-token tiles): their own decode launch,
+    checked against the reference."""
+    import random
+
+    rng = random.Random(0)
+    ctx = [0, 300] + [rng.randint(shortest, 2000) for _ in range(decodes)]
+    q = [700, 200] + [1] * decodes
+    out, ref, _, _ = run_triton(ctx, q, 16, 8, head_size=128, block_size=16,
+                                dtype=torch.bfloat16, device="cuda")
+    assert built[-1].decode_reqs is not None
+    torch.testing.assert_close(out.double().cpu(), ref, atol=2e-2, rtol=2e-2)
+    together, _, _, _ = run_triton(ctx, q, 16, 8, head_size=128, block_size=16,
+                                   dtype=torch.bfloat16, device="cuda", decodes_apart=False)
+    assert built[-1].decode_reqs is None
+    torch.testing.assert_close(out, together, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu

@@ -11,6 +11,14 @@ the same exponential race as ``Sampler`` (the token with probability ``softmax(l
 Rows with temperature 0 take the argmax of the logits. Ties go to the lowest id, as
 ``torch.argmax``.
 
+The kernel is bound by arithmetic, not by its read (Philox and two logarithms an id), so it
+scores in base 2: ``logits * (log2(e) / T) - log2(q)``, the race's score times ``log2(e)``,
+which has the same winner. ``q = -log u`` stays accurate (for ``u`` near 1, ``q`` is tiny
+and decides the race); the outer logarithm is the GPU's fast one (``lg2.approx``: within
+about 2^-22 for ``q`` in [0.5, 2], a few units in the last place of ``log2 q`` elsewhere, at
+most about 2^-18 for the smallest ``q``), which moves any id's odds by a few parts in a
+million at most, the order of float32's own rounding of ``logits * scale``.
+
 Each program takes one row's chunk of up to 8,192 ids and writes its best score and id; a
 ``[N, chunks]`` argmax picks the row's winner (the first chunk among equal scores).
 """
@@ -20,6 +28,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
+
+from hitchllm.attention.triton_support import triton_interpreting
 
 # Lanes per program (fewer for a small vocabulary); each loop step scores 4 ids per lane with
 # one Philox call, and a program takes up to LOOPS steps of one row.
@@ -28,11 +39,12 @@ LOOPS = 2
 
 
 @triton.jit
-def _score(row_ptr, cols, vocab_size, bits, temperature, greedy):
+def _score(row_ptr, cols, vocab_size, bits, scale, greedy, FAST_LOG2: tl.constexpr):
     x = tl.load(row_ptr + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
-    u = tl.uint_to_uniform_float(bits)
-    race = x / temperature - tl.log(-tl.log(u))
-    return tl.where(greedy, x, race)
+    q = -tl.log(tl.uint_to_uniform_float(bits))
+    # The interpreter (and AMD GPUs) take the accurate logarithm.
+    log2_q = libdevice.fast_log2f(q) if FAST_LOG2 else tl.log2(q)
+    return tl.where(greedy, x, x * scale - log2_q)
 
 
 @triton.jit
@@ -43,12 +55,13 @@ def _keep_best(best, best_id, score, cols):
 
 @triton.jit
 def _race_kernel(logits_ptr, stride_row, temperature_ptr, seed_ptr, score_out, id_out,
-                 vocab_size, num_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                 vocab_size, num_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                 FAST_LOG2: tl.constexpr):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     temperature = tl.load(temperature_ptr + row)
     greedy = temperature == 0.0
-    temperature = tl.where(greedy, 1.0, temperature)
+    scale = 1.4426950408889634 / tl.where(greedy, 1.0, temperature)  # log2(e) / T
     seed = tl.load(seed_ptr)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     lanes = tl.arange(0, BLOCK)
@@ -60,14 +73,14 @@ def _race_kernel(logits_ptr, stride_row, temperature_ptr, seed_ptr, score_out, i
         r0, r1, r2, r3 = tl.randint4x(seed, counters + i * BLOCK)
         base = start + i * 4 * BLOCK + lanes
         best, best_id = _keep_best(best, best_id, _score(row_ptr, base, vocab_size, r0,
-                                                         temperature, greedy), base)
+                                                         scale, greedy, FAST_LOG2), base)
         best, best_id = _keep_best(best, best_id, _score(row_ptr, base + BLOCK, vocab_size, r1,
-                                                         temperature, greedy), base + BLOCK)
+                                                         scale, greedy, FAST_LOG2), base + BLOCK)
         best, best_id = _keep_best(best, best_id, _score(row_ptr, base + 2 * BLOCK, vocab_size,
-                                                         r2, temperature, greedy),
+                                                         r2, scale, greedy, FAST_LOG2),
                                    base + 2 * BLOCK)
         best, best_id = _keep_best(best, best_id, _score(row_ptr, base + 3 * BLOCK, vocab_size,
-                                                         r3, temperature, greedy),
+                                                         r3, scale, greedy, FAST_LOG2),
                                    base + 3 * BLOCK)
     top = tl.max(best, axis=0)
     top_id = tl.min(tl.where(best == top, best_id, vocab_size), axis=0)
@@ -91,6 +104,8 @@ def race_sample(logits: torch.Tensor, temperature: torch.Tensor,
     scores = torch.empty(n, num_chunks, dtype=torch.float32, device=logits.device)
     ids = torch.empty(n, num_chunks, dtype=torch.int32, device=logits.device)
     _race_kernel[(n, num_chunks)](logits, logits.stride(0), temperature, seed, scores, ids,
-                                  vocab_size, num_chunks, CHUNK=chunk, BLOCK=block)
+                                  vocab_size, num_chunks, CHUNK=chunk, BLOCK=block,
+                                  FAST_LOG2=(logits.is_cuda and torch.version.hip is None
+                                             and not triton_interpreting()))
     winner = scores.argmax(dim=1, keepdim=True)
     return ids.gather(1, winner).squeeze(1).to(torch.int64)

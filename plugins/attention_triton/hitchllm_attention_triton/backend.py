@@ -50,6 +50,10 @@ class TritonAttentionMetadata:
     # Decode batches on a GPU: the requests by descending context length ([num_reqs] int64),
     # the order in which the kernel's programs take them (see ``longest_first``).
     order: torch.Tensor | None = None
+    # Prompt steps with many decoding requests (see ``decodes_apart``): those requests, longest
+    # context first, and the decode configuration of their own launch; the tiles hold the rest.
+    decode_reqs: torch.Tensor | None = None
+    decode_kernel: KernelConfig | None = None
 
 
 class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
@@ -85,10 +89,20 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
         # all the same, so only the balance is lost.
         self.longest_first = self.device.type == "cuda"
         self._graph_order: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # A prompt step's decoding requests in a decode launch of their own when they alone
+        # fill more than two waves of SMs: in the prompt tiles each takes a tile of up to
+        # 128 query rows for its one query and walks its context 32 tokens at a time.
+        self.decodes_apart = self.device.type == "cuda"
+        # The longest context CUDA-graph batches choose their configuration by (the engine's
+        # max_model_len): decodes apart take theirs by it too, so that they run a kernel variant
+        # the graphs' capture compiled at start-up rather than one of their own.
+        self._graph_max_seq_len: int | None = None
 
     def build(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
         n = common.num_reqs
         spec = self.spec
+        if common.cuda_graph:
+            self._graph_max_seq_len = common.max_seq_len
         kernel = choose_kernel_config(
             num_reqs=n, max_query_len=common.max_query_len, max_seq_len=common.max_seq_len,
             num_kv_heads=spec.num_kv_heads, group=spec.num_heads // spec.num_kv_heads,
@@ -118,6 +132,8 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
             return metadata
         qsl = common.query_start_loc_cpu[: n + 1].numpy()
         q_lens = qsl[1:] - qsl[:-1]
+        if self.decodes_apart and not common.cuda_graph:
+            q_lens = self._split_off_decodes(metadata, common, q_lens)
         key = (n, common.max_query_len, kernel.block_q)
         if common.cuda_graph and key in self._graph_tiles:
             tiles, num_tiles = self._graph_tiles[key]
@@ -131,6 +147,37 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
         metadata.tile_req, metadata.tile_q0 = tiles[0], tiles[1]
         metadata.num_tiles = num_tiles
         return metadata
+
+    def _split_off_decodes(self, metadata: TritonAttentionMetadata,
+                           common: CommonAttentionMetadata, q_lens: np.ndarray) -> np.ndarray:
+        """Give the step's one-token requests a decode launch of their own (``decode_reqs``,
+        ``decode_kernel``) when they are enough to fill two waves of SMs unsplit, the cache is
+        bf16/fp16 and the prompt tiles are unsplit; returns the query lengths the prompt tiles
+        are cut from (the split-off requests' as 0)."""
+        spec = self.spec
+        decoding = np.flatnonzero(q_lens == 1)
+        if (metadata.kernel.block_q == 1 or metadata.kernel.num_splits != 1
+                or spec.kv_cache_dtype.itemsize == 1
+                or 2 * len(decoding) * spec.num_kv_heads <= 4 * self.num_sms):
+            return q_lens
+        seq_lens = common.seq_lens_cpu[: common.num_reqs].numpy()[decoding]
+        kernel = choose_kernel_config(
+            num_reqs=len(decoding), max_query_len=1,
+            max_seq_len=self._graph_max_seq_len or int(seq_lens.max()),
+            num_kv_heads=spec.num_kv_heads, group=spec.num_heads // spec.num_kv_heads,
+            head_size=spec.head_size, num_sms=self.num_sms, on_gpu=self.device.type == "cuda",
+            kv_bytes=spec.kv_cache_dtype.itemsize)
+        if kernel.num_splits != 1:
+            return q_lens
+        order = decoding[np.argsort(-seq_lens, kind="stable")].astype(np.int64)
+        host = torch.from_numpy(order)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        metadata.decode_reqs = host.to(self.device, non_blocking=True)
+        metadata.decode_kernel = kernel
+        rest = q_lens.copy()
+        rest[decoding] = 0
+        return rest
 
     def _longest_first(self, seq_lens: torch.Tensor, cuda_graph: bool) -> torch.Tensor:
         """The request indices by descending ``seq_lens``, sorted on the device (no host
@@ -225,37 +272,47 @@ class TritonAttentionImpl(AttentionImpl):
                               device=query.device)
         else:
             partial = lse = out  # unused
-        spec = self.spec
-        grid = (metadata.num_tiles, self.num_kv_heads, splits)
-        decode = metadata.tile_req is None
-        tile_req = metadata.seq_lens if decode else metadata.tile_req  # unused when decoding
-        longest_first = decode and metadata.order is not None
-        if longest_first:
-            grid = (metadata.num_tiles * self.num_kv_heads, 1, splits)
-            tile_req = metadata.order
-        tile_q0 = metadata.seq_lens if decode else metadata.tile_q0
         v_word = cfg.v_word if fp8 else 1
         if v_word > 1:  # fp8 V read as words of v_word values (see kernels.py)
             value_cache = value_cache.view(V_WORD_DTYPES[v_word])
-        kernels.paged_attention[grid](
-            out, query, key_cache, value_cache,
-            metadata.block_table, metadata.seq_lens, metadata.query_start_loc,
-            tile_req, tile_q0, partial, lse, k_scale, v_scale,
-            self.scale * 1.4426950408889634, spec.logits_soft_cap or 0.0,
-            query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-            metadata.block_table.stride(0),
-            num_tokens, self.num_heads,
-            GROUP=self.num_heads // self.num_kv_heads, HEAD_DIM=self.head_size,
-            HEAD_PAD=head_pad, BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            PAGE=key_cache.shape[1], USE_SOFTCAP=spec.logits_soft_cap is not None,
-            WINDOW=spec.sliding_window or 0, NUM_SPLITS=splits, DECODE=decode,
-            FP8=fp8 is not None, V_WORD=v_word,
-            # Inline PTX unpacks fp8 words on NVIDIA GPUs; Triton's casts elsewhere.
-            ASM_CVT=v_word > 1 and query.device.type == "cuda" and torch.version.hip is None,
-            LONGEST_FIRST=longest_first, PDL=pdl,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
-        )
+
+        def attend(cfg: KernelConfig, grid: tuple[int, int, int], tile_req: torch.Tensor,
+                   tile_q0: torch.Tensor, decode: bool, longest_first: bool) -> None:
+            kernels.paged_attention[grid](
+                out, query, key_cache, value_cache,
+                metadata.block_table, metadata.seq_lens, metadata.query_start_loc,
+                tile_req, tile_q0, partial, lse, k_scale, v_scale,
+                self.scale * 1.4426950408889634, self.spec.logits_soft_cap or 0.0,
+                query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+                key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+                metadata.block_table.stride(0),
+                num_tokens, self.num_heads,
+                GROUP=self.num_heads // self.num_kv_heads, HEAD_DIM=self.head_size,
+                HEAD_PAD=head_pad, BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m,
+                BLOCK_N=cfg.block_n, PAGE=key_cache.shape[1],
+                USE_SOFTCAP=self.spec.logits_soft_cap is not None,
+                WINDOW=self.spec.sliding_window or 0, NUM_SPLITS=cfg.num_splits,
+                DECODE=decode, FP8=fp8 is not None, V_WORD=v_word,
+                # Inline PTX unpacks fp8 words on NVIDIA GPUs; Triton's casts elsewhere.
+                ASM_CVT=v_word > 1 and query.device.type == "cuda" and torch.version.hip is None,
+                LONGEST_FIRST=longest_first, PDL=pdl,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
+            )
+
+        if metadata.decode_reqs is not None:  # a prompt step's decodes, apart (bf16/fp16)
+            attend(metadata.decode_kernel,
+                   (metadata.decode_reqs.shape[0] * self.num_kv_heads, 1, 1),
+                   metadata.decode_reqs, metadata.seq_lens, decode=True, longest_first=True)
+        if metadata.tile_req is None:  # a decode batch: tile i is request i
+            if metadata.order is not None:
+                attend(cfg, (metadata.num_tiles * self.num_kv_heads, 1, splits), metadata.order,
+                       metadata.seq_lens, decode=True, longest_first=True)
+            else:
+                attend(cfg, (metadata.num_tiles, self.num_kv_heads, splits), metadata.seq_lens,
+                       metadata.seq_lens, decode=True, longest_first=False)
+        else:
+            attend(cfg, (metadata.num_tiles, self.num_kv_heads, splits), metadata.tile_req,
+                   metadata.tile_q0, decode=False, longest_first=False)
         if splits > 1:
             kernels.merge_splits[(num_tokens, self.num_heads)](
                 out, partial, lse, out.stride(0), out.stride(1), num_tokens, self.num_heads,
