@@ -20,7 +20,7 @@ from hitchllm.attention import dependent_launch as dl
 _CHECK = r"""
 import re
 from hitchllm.attention.triton_support import compile_for_gpu
-from hitchllm.models import rotary_kernel, split_k_kernels
+from hitchllm.models import elementwise_kernels, rotary_kernel, split_k_kernels
 from hitchllm_attention_triton import kernels
 
 BF16 = "*bf16"
@@ -28,9 +28,12 @@ CASES = {
     "partials": (split_k_kernels._partials_kernel,
                  dict(BM=16, BN=32, BK=64, IEEE=False),
                  {"x_ptr": BF16, "w_ptr": BF16, "parts_ptr": "*fp32"}, 4),
-    "add_norm": (split_k_kernels._add_norm_kernel, dict(SPLITS=4, BLOCK=1024, PTX=True),
-                 {"parts_ptr": "*fp32", "residual_ptr": BF16, "weight_ptr": BF16,
+    "add_norm": (elementwise_kernels._norm_kernel,
+                 dict(SPLITS=4, ADD=True, BLOCK=1024, PTX=True),
+                 {"x_ptr": "*fp32", "residual_ptr": BF16, "weight_ptr": BF16,
                   "out_ptr": BF16, "total_ptr": BF16, "eps": "fp32"}, 1),
+    "silu_mul": (elementwise_kernels._silu_mul_kernel, dict(BLOCK=1024, PTX=True),
+                 {"x_ptr": BF16, "out_ptr": BF16}, 1),
     "norm_rotary": (rotary_kernel._norm_rotary_kernel,
                     dict(Q_HEADS=16, Q_PAD=16, K_HEADS=8, K_PAD=8, HALF=64, HALF_PAD=64,
                          NORM=True, PTX=True),
@@ -135,4 +138,4 @@ def test_kernels_wait_before_touching_memory(tmp_path):
             assert 0 <= wait < release < memory, line
         else:
             assert wait == release == -1, line
-    assert len(seen) == 12 and {n for n, _ in seen} >= {"paged_attention", "norm_rotary"}
+    assert len(seen) == 14 and {n for n, _ in seen} >= {"paged_attention", "norm_rotary"}

@@ -172,8 +172,8 @@ class EngineConfig(BaseModel):
     max_cpu_loras: int | None = Field(None, ge=1)
     # CUDA: run every step eagerly instead of replaying captured CUDA graphs for decode.
     enforce_eager: bool = False
-    # CUDA: compile the model's elementwise ops (norms, residual adds, rotary, activation)
-    # into fused kernels with torch.compile (applies to every engine in the process).
+    # CUDA: run the model's elementwise ops (norms, residual adds, rotary, activation) as fused
+    # Triton kernels (hitchllm.models.fused; applies to every engine in the process).
     enable_fusion: bool = True
     # Schedule and prepare step n+1 while the device runs step n (ignored with speculative
     # decoding, which needs each step's tokens before proposing). On the CPU the model then

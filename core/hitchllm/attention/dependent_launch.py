@@ -7,12 +7,13 @@ still runs: its programs begin with ``await_inputs``, which waits until that ker
 finished and its writes are visible (``griddepcontrol.wait``: nothing is read or written
 before it), then lets the kernel after it launch in turn (``griddepcontrol.launch_dependents``).
 What overlaps is the launch and the programs' set-up, never a read of unfinished output.
-Kernels launched without it (cuBLAS, compiled elementwise functions) keep the stream's plain
+Kernels launched without it (cuBLAS, anything torch.compile built) keep the stream's plain
 ordering.
 
 Hopper (compute capability 9.0) and later; ``HITCHLLM_PDL=0`` turns it off. The kernels that
-use it: the q/k norm + rotary kernel, the split-K projection and add-and-norm kernels, and
-TRITON_ATTN's KV write, attention and split merge.
+use it: the q/k norm + rotary kernel, the norms and SiLU-and-multiply
+(``hitchllm.models.elementwise_kernels``), the split-K projection kernel, and TRITON_ATTN's KV
+write, attention and split merge.
 """
 
 from __future__ import annotations

@@ -1,22 +1,25 @@
 """The model's elementwise work (norms, residual adds, rotary, the gated activation) as plain
-PyTorch functions that are compiled into fused kernels on CUDA, or replaced by a plugin's
+PyTorch functions that run as the engine's own Triton kernels on CUDA, or as a plugin's
 kernels on other devices.
 
 Written op by op, RMSNorm alone is seven kernels and rotary a dozen; at decode batch sizes
 each kernel is a few microseconds of fixed cost, which for a 28-layer model adds up to more
-than the attention itself. On CUDA each function below is compiled once with
-``torch.compile`` (dynamic batch size; the kernels are shared by every layer) and runs as one
-or two fused kernels. Elsewhere, or with fusion turned off (``EngineConfig.enable_fusion``),
-the same code runs eagerly, unless a plugin has registered a kernel for the function on the
-argument's device type (``register_device_kernels``: attention_cpu supplies C versions for
-the CPU). ``rotary`` and ``qk_norm_rotary`` run on CUDA as one Triton kernel instead
-(``hitchllm.models.rotary_kernel``; compiled, they took four kernels and several times as
-long). Each function keeps the reference implementation's roundings (residual sums and
-normalized values are rounded to the model dtype where Hugging Face transformers rounds them).
+than the attention itself. On CUDA each function below runs as one Triton kernel of the same
+name (``hitchllm.models.elementwise_kernels`` for the norms and the activation,
+``hitchllm.models.rotary_kernel`` for rotary; compiled by ``torch.compile``, rotary took four
+kernels and several times as long, and loading compiled functions (Dynamo, Inductor) cost
+every engine's start-up seconds). Arguments those kernels do not take (float16, more than two
+dimensions) run the function compiled with ``torch.compile`` (dynamic sizes) instead.
+Elsewhere, or with fusion turned off (``EngineConfig.enable_fusion``), the same code runs
+eagerly, unless a plugin has registered a kernel for the function on the argument's device type
+(``register_device_kernels``: attention_cpu supplies C versions for the CPU). Each function
+keeps the reference implementation's roundings (residual sums and normalized values are
+rounded to the model dtype where Hugging Face transformers rounds them).
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -56,9 +59,9 @@ def register_device_kernels(device_type: str, kernels: dict[str, Callable[..., A
     the function computes with the same roundings, and where it cannot match PyTorch's result
     bit for bit (a reduction in another order) it should handle only dtypes where that is
     tolerated (float32 greedy outputs are compared bit for bit with transformers). Not for
-    "cuda", where the functions are compiled or run as hitchllm's own Triton kernels."""
+    "cuda", where the functions run as hitchllm's own Triton kernels."""
     if device_type == "cuda":
-        raise ValueError("the fused functions are compiled with torch.compile on CUDA; "
+        raise ValueError("the fused functions run as hitchllm's own Triton kernels on CUDA; "
                          "register device kernels for another device type")
     unknown = set(kernels) - set(FUNCTIONS)
     if unknown:
@@ -141,21 +144,19 @@ def _fused(
     return run  # type: ignore[return-value]
 
 
-def _fused_on_cuda(fn: _F) -> _F:
-    """Run ``fn`` compiled when its first argument is a CUDA tensor and fusion is on."""
-    return _fused(fn, lambda x: x.is_cuda)
+def _triton_on_cuda(module: str) -> Callable[[_F], _F]:
+    """Run the function as the Triton kernel of its name in ``hitchllm.models.<module>``
+    (else compiled, where that kernel returns None) when its first argument is a CUDA tensor
+    and fusion is on."""
 
+    def wrap(fn: _F) -> _F:
+        def load_kernel() -> Callable[..., Any]:
+            # Imported on first use: Triton is optional for the core.
+            return getattr(importlib.import_module(f"hitchllm.models.{module}"), fn.__name__)
 
-def _triton_on_cuda(fn: _F) -> _F:
-    """Run ``fn`` as ``rotary_kernel``'s Triton kernel of its name (else compiled) when its
-    first argument is a CUDA tensor and fusion is on."""
+        return _fused(fn, lambda x: x.is_cuda, load_kernel)
 
-    def load_kernel() -> Callable[..., Any]:
-        from hitchllm.models import rotary_kernel  # imports Triton: CUDA only
-
-        return getattr(rotary_kernel, fn.__name__)
-
-    return _fused(fn, lambda x: x.is_cuda, load_kernel)
+    return wrap
 
 
 def _normalize(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -164,13 +165,13 @@ def _normalize(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
     return weight * x32.to(x.dtype)
 
 
-@_fused_on_cuda
+@_triton_on_cuda("elementwise_kernels")
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / rms(x) * weight`` over the last dimension, statistics in float32."""
     return _normalize(x, weight, eps)
 
 
-@_fused_on_cuda
+@_triton_on_cuda("elementwise_kernels")
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,7 +199,7 @@ def _apply_rotary(
     return _rotate(q, c, s), _rotate(k, c, s)
 
 
-@_triton_on_cuda
+@_triton_on_cuda("rotary_kernel")
 def rotary(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     sin: torch.Tensor,
@@ -208,7 +209,7 @@ def rotary(
     return _apply_rotary(positions, q, k, cos, sin)
 
 
-@_triton_on_cuda
+@_triton_on_cuda("rotary_kernel")
 def qk_norm_rotary(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
     k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
@@ -218,7 +219,7 @@ def qk_norm_rotary(
                          cos, sin)
 
 
-@_fused_on_cuda
+@_triton_on_cuda("elementwise_kernels")
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up = [gate | up]`` along the last dimension."""
     gate, up = gate_up.chunk(2, dim=-1)

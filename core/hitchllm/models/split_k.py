@@ -21,7 +21,8 @@ projections without LoRA on one tensor-parallel rank, in steps of 1 to ``MAX_ROW
 (decode steps, and prompt or mixed steps that small), for the measured shapes (up to 1,024
 output columns, inner sizes dividing into the tiles); everything else (larger steps, other
 dtypes, tensor parallelism, larger projections) runs ``F.linear`` and the norm as before. The
-kernels are in ``split_k_kernels`` (imported on first use: Triton is optional for the core).
+projection's kernel is in ``split_k_kernels``, the add-and-norm's in ``elementwise_kernels``
+(imported on first use: Triton is optional for the core).
 """
 
 from __future__ import annotations
@@ -61,9 +62,10 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``fused.add_rms_norm(split.total(), residual, weight, eps)``, summing the parts in the
     same kernel."""
-    from hitchllm.models import split_k_kernels
+    from hitchllm.models import elementwise_kernels
 
-    out = split_k_kernels.add_rms_norm(split.parts, split.dtype, residual, weight, eps)
+    out = elementwise_kernels.add_rms_norm_of_parts(split.parts, split.dtype, residual, weight,
+                                                    eps)
     return out if out is not None else fused.add_rms_norm(split.total(), residual, weight, eps)
 
 

@@ -1,6 +1,6 @@
-"""The Triton kernels of ``hitchllm.models.split_k`` (see there): split-K partial sums of
-``x @ weight.T`` (any number of rows; ``split_k`` caps them), and the residual add + RMSNorm
-that sums them."""
+"""The Triton kernel of ``hitchllm.models.split_k`` (see there): split-K partial sums of
+``x @ weight.T`` (any number of rows; ``split_k`` caps them). The residual add + RMSNorm that
+sums them is ``elementwise_kernels.add_rms_norm_of_parts``."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from hitchllm.attention.dependent_launch import (
     dependent_launch,
     launch_options,
 )
-from hitchllm.models.rounding import ptx_rounding, round_to
 
 # The shapes measured (Qwen3-0.6B's o_proj 2048 -> 1024 and down_proj 3072 -> 1024); larger
 # projections have more output tiles and were not measured against cuBLAS.
@@ -87,46 +86,3 @@ def partial_sums(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
                            IEEE=x.dtype == torch.float32, PDL=pdl, num_warps=4,
                            num_stages=t.stages, **launch_options(pdl))
     return parts
-
-
-@triton.jit
-def _add_norm_kernel(parts_ptr, residual_ptr, weight_ptr, out_ptr, total_ptr, rows, columns,
-                     stride_residual, eps, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
-                     PTX: tl.constexpr, PDL: tl.constexpr):
-    await_inputs(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    c = tl.arange(0, BLOCK)
-    mask = c < columns
-    dt = out_ptr.dtype.element_ty
-    acc = tl.load(parts_ptr + row * columns + c, mask=mask, other=0.0)
-    for split in tl.static_range(1, SPLITS):
-        acc += tl.load(parts_ptr + (split * rows + row) * columns + c, mask=mask, other=0.0)
-    residual = tl.load(residual_ptr + row * stride_residual + c, mask=mask, other=0.0)
-    total = round_to(round_to(acc, dt, PTX) + residual.to(tl.float32), dt, PTX)
-    inv = tl.rsqrt(tl.sum(total * total, 0) / columns + eps)
-    weight = tl.load(weight_ptr + c, mask=mask, other=0.0).to(tl.float32)
-    normed = round_to(weight * round_to(total * inv, dt, PTX), dt, PTX)
-    tl.store(out_ptr + row * columns + c, normed.to(dt), mask=mask)
-    tl.store(total_ptr + row * columns + c, total.to(dt), mask=mask)
-
-
-def add_rms_norm(
-    parts: torch.Tensor, dtype: torch.dtype, residual: torch.Tensor, weight: torch.Tensor,
-    eps: float,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``split_k.add_rms_norm`` of the sums ``parts`` of a ``dtype`` output in one kernel, or
-    None for arguments it does not take (float16, mismatched dtypes, shapes or devices)."""
-    _, rows, columns = parts.shape
-    if not (dtype in _DTYPES and parts.dtype == torch.float32
-            and residual.shape == (rows, columns) and residual.dtype == dtype == weight.dtype
-            and residual.stride(1) == 1 and parts.is_contiguous() and weight.shape == (columns,)
-            and weight.is_contiguous() and residual.device == parts.device == weight.device):
-        return None
-    out = torch.empty(rows, columns, dtype=dtype, device=parts.device)
-    total = torch.empty_like(out)
-    pdl = dependent_launch(parts)
-    _add_norm_kernel[(rows,)](parts, residual, weight, out, total, rows, columns,
-                              residual.stride(0), eps, SPLITS=parts.shape[0],
-                              BLOCK=triton.next_power_of_2(columns), PTX=ptx_rounding(parts),
-                              PDL=pdl, num_warps=4, **launch_options(pdl))
-    return out, total

@@ -1,0 +1,164 @@
+"""RMSNorm, the residual add + RMSNorm and SiLU-and-multiply as Triton kernels on CUDA: the
+kernels of ``fused.rms_norm``, ``fused.add_rms_norm`` and ``fused.silu_and_mul``, and the
+add-and-norm that sums ``hitchllm.models.split_k``'s partial products.
+
+``torch.compile`` made these functions' kernels before. Loading its compiled functions (Dynamo,
+Inductor and the Python they import) was most of an H100 engine's 12-14 s "KV cache sizing"
+phase at start-up in every process, for three kernels a few lines long; these launch like the
+engine's other Triton kernels, dependently where the GPU allows
+(``hitchllm.attention.dependent_launch``).
+
+The arithmetic is ``fused``'s, rounding where PyTorch's op-by-op arithmetic rounds
+(``hitchllm.models.rounding``): the residual sum rounded to the model dtype, statistics in
+float32, the normalized value rounded before the weight multiplies it and the product rounded;
+``silu(gate)`` rounded before it multiplies ``up``, with the accurate exponential and an
+IEEE division, as PyTorch computes it. bfloat16 and float32 only (float16's products fold
+into fused multiply-adds that skip their roundings: the compiled route keeps it). A row's sum
+of squares is reduced in another order than PyTorch's, so a normalized value can round the
+other way, rarely.
+
+One program normalizes one row (up to 16,384 columns); SiLU-and-multiply takes 1,024 columns
+of one row per program.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from hitchllm.attention.dependent_launch import (
+    await_inputs,
+    dependent_launch,
+    launch_options,
+)
+from hitchllm.models.rounding import ptx_rounding, round_to
+
+_DTYPES = (torch.bfloat16, torch.float32)
+_MAX_COLUMNS = 16384
+_SILU_BLOCK = 1024
+
+
+# A step's row count is an argument of its own, not specialized (1 or a multiple of 16 would
+# each compile another variant on a request's step).
+@triton.jit(do_not_specialize=["rows"])
+def _norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, total_ptr, rows, columns, stride_x,
+                 stride_residual, eps, SPLITS: tl.constexpr, ADD: tl.constexpr,
+                 BLOCK: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr):
+    """Row ``row`` of ``x`` (``SPLITS`` float32 partial sums [SPLITS, rows, columns] when
+    ``SPLITS`` > 1, rounded to the output dtype once summed), plus the residual (``ADD``;
+    the sum also stored to ``total``), normalized and scaled by the weight."""
+    await_inputs(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    mask = c < columns
+    dt = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
+    for split in tl.static_range(1, SPLITS):
+        x += tl.load(x_ptr + (split * rows + row) * stride_x + c, mask=mask, other=0.0)
+    x = round_to(x, dt, PTX)
+    if ADD:
+        residual = tl.load(residual_ptr + row * stride_residual + c, mask=mask, other=0.0)
+        x = round_to(x + residual.to(tl.float32), dt, PTX)
+        tl.store(total_ptr + row * columns + c, x.to(dt), mask=mask)
+    inv = tl.rsqrt(tl.sum(x * x, 0) / columns + eps)
+    weight = tl.load(weight_ptr + c, mask=mask, other=0.0).to(tl.float32)
+    normed = round_to(weight * round_to(x * inv, dt, PTX), dt, PTX)
+    tl.store(out_ptr + row * columns + c, normed.to(dt), mask=mask)
+
+
+def _takes(x: torch.Tensor, weight: torch.Tensor, columns: int) -> bool:
+    return (x.dtype in _DTYPES and weight.dtype == x.dtype and weight.shape == (columns,)
+            and weight.is_contiguous() and weight.device == x.device
+            and 0 < columns <= _MAX_COLUMNS)
+
+
+def _launch_norm(x: torch.Tensor, splits: int, residual: torch.Tensor | None,
+                 weight: torch.Tensor, eps: float, dtype: torch.dtype,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    rows, columns = x.shape[-2:]
+    out = torch.empty(rows, columns, dtype=dtype, device=x.device)
+    total = torch.empty_like(out) if residual is not None else None
+    if rows:
+        block = triton.next_power_of_2(columns)
+        pdl = dependent_launch(x)
+        _norm_kernel[(rows,)](
+            x, residual if residual is not None else x, weight, out,
+            total if total is not None else out, rows, columns, x.stride(-2),
+            residual.stride(0) if residual is not None else 0, eps, SPLITS=splits,
+            ADD=residual is not None, BLOCK=block, PTX=ptx_rounding(x), PDL=pdl,
+            num_warps=min(16, max(4, block // 1024)), **launch_options(pdl))
+    return out, total
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """``fused.rms_norm`` of ``x`` [T, H] (columns contiguous), or None for arguments this
+    kernel does not take."""
+    if x.dim() != 2 or x.stride(1) != 1 or not _takes(x, weight, x.shape[1]):
+        return None
+    return _launch_norm(x, 1, None, weight, eps, x.dtype)[0]
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``fused.add_rms_norm`` of ``x`` and ``residual`` [T, H] (columns contiguous), or None
+    for arguments this kernel does not take."""
+    if not (x.dim() == 2 and residual.shape == x.shape and residual.dtype == x.dtype
+            and x.stride(1) == 1 and residual.stride(1) == 1 and residual.device == x.device
+            and _takes(x, weight, x.shape[1])):
+        return None
+    out, total = _launch_norm(x, 1, residual, weight, eps, x.dtype)
+    assert total is not None
+    return out, total
+
+
+def add_rms_norm_of_parts(
+    parts: torch.Tensor, dtype: torch.dtype, residual: torch.Tensor, weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``split_k.add_rms_norm``: the float32 partial sums ``parts`` [S, T, H] of a ``dtype``
+    output summed in split order, added to ``residual`` and normalized; None for arguments
+    this kernel does not take."""
+    _, rows, columns = parts.shape
+    if not (parts.dtype == torch.float32 and parts.is_contiguous()
+            and residual.shape == (rows, columns) and residual.dtype == dtype
+            and residual.stride(1) == 1 and residual.device == parts.device
+            and dtype in _DTYPES and _takes(residual, weight, columns)):
+        return None
+    out, total = _launch_norm(parts, parts.shape[0], residual, weight, eps, dtype)
+    assert total is not None
+    return out, total
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, columns, stride_x, BLOCK: tl.constexpr,
+                     PTX: tl.constexpr, PDL: tl.constexpr):
+    await_inputs(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = c < columns
+    dt = out_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + columns + c, mask=mask, other=0.0).to(tl.float32)
+    # PTX: compiled for an NVIDIA GPU, where libdevice has CUDA's expf (the interpreter has none).
+    exp = libdevice.exp(-gate) if PTX else tl.exp(-gate)
+    silu = round_to(tl.div_rn(gate, 1.0 + exp), dt, PTX)
+    tl.store(out_ptr + row * columns + c, round_to(silu * up, dt, PTX).to(dt), mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """``fused.silu_and_mul`` of ``gate_up`` [T, 2I] (columns contiguous), or None for
+    arguments this kernel does not take."""
+    if gate_up.dim() != 2 or gate_up.stride(1) != 1 or gate_up.dtype not in _DTYPES \
+            or gate_up.shape[1] % 2:
+        return None
+    rows, columns = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, columns, dtype=gate_up.dtype, device=gate_up.device)
+    if rows and columns:
+        pdl = dependent_launch(gate_up)
+        _silu_mul_kernel[(rows, triton.cdiv(columns, _SILU_BLOCK))](
+            gate_up, out, columns, gate_up.stride(0), BLOCK=_SILU_BLOCK,
+            PTX=ptx_rounding(gate_up), PDL=pdl, num_warps=4, **launch_options(pdl))
+    return out

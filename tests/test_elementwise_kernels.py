@@ -1,0 +1,113 @@
+"""The norms' and the activation's Triton kernels (``hitchllm.models.elementwise_kernels``)
+against ``fused``'s PyTorch arithmetic run op by op (Triton's interpreter on the CPU, PTX on a
+GPU), what they decline, and the route ``fused`` takes to them on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hitchllm.models import elementwise_kernels as ek
+from hitchllm.models import fused
+
+GPU = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])
+
+
+def _silu_and_mul(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _assert_matches(got, want, dtype, exact_share):
+    assert got.dtype == want.dtype == dtype and got.shape == want.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    else:
+        assert (got != want).float().mean() <= exact_share
+        torch.testing.assert_close(got, want, atol=0.04, rtol=0.01)
+
+
+@pytest.mark.parametrize("device", ["cpu", GPU])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("columns", [1000, 1024])
+def test_norms_match_pytorch(device, dtype, columns):
+    """RMSNorm and add + RMSNorm (a row stride on the input, as a view gives): the residual
+    stream bit for bit, the normalized values rounded where PyTorch rounds (a sum of squares in
+    another order may round one the other way)."""
+    rows = 6 if device == "cpu" else 300
+    g = torch.Generator().manual_seed(columns)
+    wide = (torch.randn(rows, columns + 64, generator=g) * 3).to(dtype).to(device)
+    x = wide[:, :columns]
+    residual = (torch.randn(rows, columns, generator=g) * 4).to(dtype).to(device)
+    weight = (torch.rand(columns, generator=g) + 0.5).to(dtype).to(device)
+    _assert_matches(ek.rms_norm(x, weight, 1e-6), fused._normalize(x, weight, 1e-6), dtype,
+                    2e-3)
+    out, total = ek.add_rms_norm(x, residual, weight, 1e-6)
+    want_total = x + residual
+    torch.testing.assert_close(total, want_total, atol=0, rtol=0)
+    _assert_matches(out, fused._normalize(want_total, weight, 1e-6), dtype, 2e-3)
+
+
+@pytest.mark.parametrize("device", ["cpu", GPU])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("columns", [300, 3072])
+def test_silu_and_mul_matches_pytorch(device, dtype, columns):
+    """``silu(gate) * up`` with PyTorch's roundings (silu rounded before the product); columns
+    that do not fill the last program; large gates whose exponentials overflow."""
+    rows = 5 if device == "cpu" else 300
+    g = torch.Generator().manual_seed(columns)
+    gate_up = (torch.randn(rows, 2 * columns, generator=g) * 4)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, -1e4, 0.0])
+    gate_up = gate_up.to(dtype).to(device)
+    # The interpreter's exponential is numpy's, a unit in the last place from PyTorch's CPU
+    # one in some values; on a GPU both are CUDA's expf.
+    _assert_matches(ek.silu_and_mul(gate_up), _silu_and_mul(gate_up), dtype,
+                    1e-3 if device == "cpu" else 0.0)
+
+
+def test_kernels_decline_what_they_do_not_take():
+    x = torch.randn(4, 64)
+    w = torch.rand(64) + 0.5
+    assert ek.rms_norm(x.half(), w.half(), 1e-6) is None  # float16: no roundings for it
+    assert ek.rms_norm(x, w.double(), 1e-6) is None  # dtypes differ
+    assert ek.rms_norm(x.reshape(2, 2, 64), w, 1e-6) is None  # three dimensions
+    assert ek.rms_norm(x.T.contiguous().T, w, 1e-6) is None  # strided columns
+    assert ek.rms_norm(torch.randn(2, 20000), torch.rand(20000), 1e-6) is None  # too wide
+    assert ek.add_rms_norm(x, torch.randn(4, 32), w[:32], 1e-6) is None  # shapes differ
+    assert ek.add_rms_norm(x, x.bfloat16(), w, 1e-6) is None
+    assert ek.silu_and_mul(torch.randn(4, 63)) is None  # no halves
+    assert ek.silu_and_mul(torch.randn(4, 64).half()) is None
+
+
+def test_empty_batches_give_empty_results():
+    w = torch.rand(64) + 0.5
+    empty = torch.randn(0, 64)
+    assert ek.rms_norm(empty, w, 1e-6).shape == (0, 64)
+    out, total = ek.add_rms_norm(empty, empty, w, 1e-6)
+    assert out.shape == total.shape == (0, 64)
+    assert ek.silu_and_mul(empty).shape == (0, 32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fused_functions_run_the_kernels_on_cuda(monkeypatch):
+    """On CUDA ``fused``'s norms and activation are these kernels (nothing is compiled for
+    bfloat16); float16, which they decline, still runs compiled."""
+    compiled = []
+
+    def compile_(fn, **kwargs):
+        compiled.append(fn.__name__)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", compile_)
+    x = torch.randn(5, 256, device="cuda").bfloat16()
+    w = (torch.rand(256, device="cuda") + 0.5).bfloat16()
+    assert torch.equal(fused.rms_norm(x, w, 1e-6), ek.rms_norm(x, w, 1e-6))
+    for a, b in zip(fused.add_rms_norm(x, x, w, 1e-6), ek.add_rms_norm(x, x, w, 1e-6)):
+        assert torch.equal(a, b)
+    assert torch.equal(fused.silu_and_mul(x), ek.silu_and_mul(x))
+    assert compiled == []
+    fused.silu_and_mul(x.half())
+    assert compiled == ["silu_and_mul"]
