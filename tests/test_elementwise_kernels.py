@@ -72,13 +72,30 @@ def test_kernels_decline_what_they_do_not_take():
     w = torch.rand(64) + 0.5
     assert ek.rms_norm(x.half(), w.half(), 1e-6) is None  # float16: no roundings for it
     assert ek.rms_norm(x, w.double(), 1e-6) is None  # dtypes differ
-    assert ek.rms_norm(x.reshape(2, 2, 64), w, 1e-6) is None  # three dimensions
+    # q of a fused qkv projection, [tokens, heads, d]: no [rows, d] view
+    assert ek.rms_norm(torch.randn(4, 3 * 128)[:, :256].view(4, 2, 128), w.repeat(2), 1e-6) \
+        is None
     assert ek.rms_norm(x.T.contiguous().T, w, 1e-6) is None  # strided columns
     assert ek.rms_norm(torch.randn(2, 20000), torch.rand(20000), 1e-6) is None  # too wide
     assert ek.add_rms_norm(x, torch.randn(4, 32), w[:32], 1e-6) is None  # shapes differ
     assert ek.add_rms_norm(x, x.bfloat16(), w, 1e-6) is None
     assert ek.silu_and_mul(torch.randn(4, 63)) is None  # no halves
     assert ek.silu_and_mul(torch.randn(4, 64).half()) is None
+
+
+def test_leading_dimensions_are_rows():
+    """[tokens, heads, d] inputs that view as rows of d (a contiguous tensor, a per-token
+    slice), shapes kept."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 4, 64, generator=g)
+    w = torch.rand(64, generator=g) + 0.5
+    torch.testing.assert_close(ek.rms_norm(x, w, 1e-6), fused._normalize(x, w, 1e-6))
+    out, total = ek.add_rms_norm(x, x * 2, w, 1e-6)
+    assert out.shape == total.shape == x.shape
+    torch.testing.assert_close(total, x * 3)
+    gate_up = torch.randn(2, 3, 2 * 40, generator=g)
+    torch.testing.assert_close(ek.silu_and_mul(gate_up), _silu_and_mul(gate_up),
+                               atol=1e-6, rtol=1e-6)
 
 
 def test_empty_batches_give_empty_results():

@@ -68,6 +68,19 @@ def _norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, total_ptr, rows, colu
     tl.store(out_ptr + row * columns + c, normed.to(dt), mask=mask)
 
 
+def _as_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """``x`` as a [rows, last dimension] view (columns contiguous, any row stride), or None
+    where no such view exists."""
+    if x.dim() == 0 or x.stride(-1) != 1:
+        return None
+    if x.dim() == 2:
+        return x
+    try:
+        return x.view(-1, x.shape[-1])
+    except RuntimeError:  # leading dimensions that do not collapse into one row stride
+        return None
+
+
 def _takes(x: torch.Tensor, weight: torch.Tensor, columns: int) -> bool:
     return (x.dtype in _DTYPES and weight.dtype == x.dtype and weight.shape == (columns,)
             and weight.is_contiguous() and weight.device == x.device
@@ -93,25 +106,27 @@ def _launch_norm(x: torch.Tensor, splits: int, residual: torch.Tensor | None,
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """``fused.rms_norm`` of ``x`` [T, H] (columns contiguous), or None for arguments this
-    kernel does not take."""
-    if x.dim() != 2 or x.stride(1) != 1 or not _takes(x, weight, x.shape[1]):
+    """``fused.rms_norm`` of ``x`` [..., H] (the last dimension contiguous), or None for
+    arguments this kernel does not take."""
+    rows = _as_rows(x)
+    if rows is None or not _takes(x, weight, x.shape[-1]):
         return None
-    return _launch_norm(x, 1, None, weight, eps, x.dtype)[0]
+    return _launch_norm(rows, 1, None, weight, eps, x.dtype)[0].view(x.shape)
 
 
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``fused.add_rms_norm`` of ``x`` and ``residual`` [T, H] (columns contiguous), or None
-    for arguments this kernel does not take."""
-    if not (x.dim() == 2 and residual.shape == x.shape and residual.dtype == x.dtype
-            and x.stride(1) == 1 and residual.stride(1) == 1 and residual.device == x.device
-            and _takes(x, weight, x.shape[1])):
+    """``fused.add_rms_norm`` of ``x`` and ``residual`` [..., H] (the last dimension
+    contiguous), or None for arguments this kernel does not take."""
+    rows, residual_rows = _as_rows(x), _as_rows(residual)
+    if not (rows is not None and residual_rows is not None and residual.shape == x.shape
+            and residual.dtype == x.dtype and residual.device == x.device
+            and _takes(x, weight, x.shape[-1])):
         return None
-    out, total = _launch_norm(x, 1, residual, weight, eps, x.dtype)
+    out, total = _launch_norm(rows, 1, residual_rows, weight, eps, x.dtype)
     assert total is not None
-    return out, total
+    return out.view(x.shape), total.view(x.shape)
 
 
 def add_rms_norm_of_parts(
@@ -149,16 +164,16 @@ def _silu_mul_kernel(x_ptr, out_ptr, columns, stride_x, BLOCK: tl.constexpr,
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
-    """``fused.silu_and_mul`` of ``gate_up`` [T, 2I] (columns contiguous), or None for
-    arguments this kernel does not take."""
-    if gate_up.dim() != 2 or gate_up.stride(1) != 1 or gate_up.dtype not in _DTYPES \
-            or gate_up.shape[1] % 2:
+    """``fused.silu_and_mul`` of ``gate_up`` [..., 2I] (the last dimension contiguous), or
+    None for arguments this kernel does not take."""
+    x = _as_rows(gate_up)
+    if x is None or gate_up.dtype not in _DTYPES or gate_up.shape[-1] % 2:
         return None
-    rows, columns = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty(rows, columns, dtype=gate_up.dtype, device=gate_up.device)
+    rows, columns = x.shape[0], x.shape[1] // 2
+    out = torch.empty(rows, columns, dtype=x.dtype, device=x.device)
     if rows and columns:
-        pdl = dependent_launch(gate_up)
+        pdl = dependent_launch(x)
         _silu_mul_kernel[(rows, triton.cdiv(columns, _SILU_BLOCK))](
-            gate_up, out, columns, gate_up.stride(0), BLOCK=_SILU_BLOCK,
-            PTX=ptx_rounding(gate_up), PDL=pdl, num_warps=4, **launch_options(pdl))
-    return out
+            x, out, columns, x.stride(0), BLOCK=_SILU_BLOCK, PTX=ptx_rounding(x), PDL=pdl,
+            num_warps=4, **launch_options(pdl))
+    return out.view(*gate_up.shape[:-1], columns)
