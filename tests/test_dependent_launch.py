@@ -31,8 +31,13 @@ CASES = {
     "add_norm": (elementwise_kernels._norm_kernel,
                  dict(SPLITS=4, ADD=True, BLOCK=1024, PTX=True),
                  {"x_ptr": "*fp32", "residual_ptr": BF16, "weight_ptr": BF16,
-                  "out_ptr": BF16, "total_ptr": BF16, "eps": "fp32"}, 1),
-    "silu_mul": (elementwise_kernels._silu_mul_kernel, dict(BLOCK=1024, PTX=True),
+                  "out_ptr": BF16, "total_ptr": BF16, "inv_columns": "fp32", "eps": "fp32"}, 1),
+    "rms_norm": (elementwise_kernels._norm_kernel,
+                 dict(SPLITS=1, ADD=False, BLOCK=1024, PTX=True),
+                 {"x_ptr": BF16, "residual_ptr": BF16, "weight_ptr": BF16,
+                  "out_ptr": BF16, "total_ptr": BF16, "inv_columns": "fp32", "eps": "fp32"}, 1),
+    "silu_mul": (elementwise_kernels._silu_mul_kernel,
+                 dict(BLOCK=1024, LIBDEVICE=True, PTX=True),
                  {"x_ptr": BF16, "out_ptr": BF16}, 1),
     "norm_rotary": (rotary_kernel._norm_rotary_kernel,
                     dict(Q_HEADS=16, Q_PAD=16, K_HEADS=8, K_PAD=8, HALF=64, HALF_PAD=64,
@@ -138,4 +143,4 @@ def test_kernels_wait_before_touching_memory(tmp_path):
             assert 0 <= wait < release < memory, line
         else:
             assert wait == release == -1, line
-    assert len(seen) == 14 and {n for n, _ in seen} >= {"paged_attention", "norm_rotary"}
+    assert len(seen) == 16 and {n for n, _ in seen} >= {"paged_attention", "norm_rotary"}

@@ -85,7 +85,7 @@ def test_a_card_share_too_small_for_one_request_fails_at_start(wide_model):
 
 
 def test_fused_elementwise_ops_match_unfused(tiny_models):
-    """The compiled norms, rotary and activation give the eager ops' tokens (float32)."""
+    """The fused norms, rotary and activation give the eager ops' tokens (float32)."""
     path = tiny_models["Qwen3ForCausalLM"]
     prompts = mixed_prompts(5)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

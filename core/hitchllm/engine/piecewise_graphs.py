@@ -3,8 +3,8 @@
 A step that holds prompt chunks cannot replay a decode graph: its attention depends on every
 request's query and context lengths. Everything else in the forward (embedding, norms, GEMMs,
 rotary, activation) depends only on the number of tokens, and run eagerly it costs the host
-several times what it costs the device (about 110 compiled elementwise calls and 200 GEMM and
-kernel launches a step for a 28-layer model). So the forward is captured per token count of a
+several times what it costs the device (about 110 elementwise kernel calls and 200 GEMM and
+other launches a step for a 28-layer model). So the forward is captured per token count of a
 ladder (``default_token_sizes``) as a chain of graphs that ends at each attention layer and
 starts again after it: ``graph 0, attention 0, graph 1, ..., attention L-1, graph L``. At
 replay the graphs run from the host in a few microseconds each and each layer's attention runs

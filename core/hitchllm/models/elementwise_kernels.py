@@ -33,6 +33,7 @@ from hitchllm.attention.dependent_launch import (
     dependent_launch,
     launch_options,
 )
+from hitchllm.attention.triton_support import triton_interpreting
 from hitchllm.models.rounding import ptx_rounding, round_to
 
 _DTYPES = (torch.bfloat16, torch.float32)
@@ -43,9 +44,9 @@ _SILU_BLOCK = 1024
 # A step's row count is an argument of its own, not specialized (1 or a multiple of 16 would
 # each compile another variant on a request's step).
 @triton.jit(do_not_specialize=["rows"])
-def _norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, total_ptr, rows, columns, stride_x,
-                 stride_residual, eps, SPLITS: tl.constexpr, ADD: tl.constexpr,
-                 BLOCK: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr):
+def _norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, total_ptr, rows, columns,
+                 inv_columns, stride_x, stride_residual, eps, SPLITS: tl.constexpr,
+                 ADD: tl.constexpr, BLOCK: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr):
     """Row ``row`` of ``x`` (``SPLITS`` float32 partial sums [SPLITS, rows, columns] when
     ``SPLITS`` > 1, rounded to the output dtype once summed), plus the residual (``ADD``;
     the sum also stored to ``total``), normalized and scaled by the weight."""
@@ -62,23 +63,22 @@ def _norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, total_ptr, rows, colu
         residual = tl.load(residual_ptr + row * stride_residual + c, mask=mask, other=0.0)
         x = round_to(x + residual.to(tl.float32), dt, PTX)
         tl.store(total_ptr + row * columns + c, x.to(dt), mask=mask)
-    inv = tl.rsqrt(tl.sum(x * x, 0) / columns + eps)
+    inv = tl.rsqrt(tl.sum(x * x, 0) * inv_columns + eps)  # a mean as PyTorch's: sum * (1 / n)
     weight = tl.load(weight_ptr + c, mask=mask, other=0.0).to(tl.float32)
     normed = round_to(weight * round_to(x * inv, dt, PTX), dt, PTX)
     tl.store(out_ptr + row * columns + c, normed.to(dt), mask=mask)
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor | None:
-    """``x`` as a [rows, last dimension] view (columns contiguous, any row stride), or None
-    where no such view exists."""
-    if x.dim() == 0 or x.stride(-1) != 1:
+    """``x`` [H] or [T, H] (columns contiguous, any row stride) as [rows, H], or None.
+
+    Not more dimensions: whether a [tokens, heads, d] view is rows of d can depend on the token
+    count (PyTorch gives a one-token view the strides of a contiguous tensor), and a call must
+    take the same route at every step (one kernel, one rounding, nothing first compiled on a
+    request's step)."""
+    if x.dim() not in (1, 2) or x.stride(-1) != 1:
         return None
-    if x.dim() == 2:
-        return x
-    try:
-        return x.view(-1, x.shape[-1])
-    except RuntimeError:  # leading dimensions that do not collapse into one row stride
-        return None
+    return x if x.dim() == 2 else x.view(1, -1)
 
 
 def _takes(x: torch.Tensor, weight: torch.Tensor, columns: int) -> bool:
@@ -98,7 +98,7 @@ def _launch_norm(x: torch.Tensor, splits: int, residual: torch.Tensor | None,
         pdl = dependent_launch(x)
         _norm_kernel[(rows,)](
             x, residual if residual is not None else x, weight, out,
-            total if total is not None else out, rows, columns, x.stride(-2),
+            total if total is not None else out, rows, columns, 1.0 / columns, x.stride(-2),
             residual.stride(0) if residual is not None else 0, eps, SPLITS=splits,
             ADD=residual is not None, BLOCK=block, PTX=ptx_rounding(x), PDL=pdl,
             num_warps=min(16, max(4, block // 1024)), **launch_options(pdl))
@@ -106,7 +106,7 @@ def _launch_norm(x: torch.Tensor, splits: int, residual: torch.Tensor | None,
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """``fused.rms_norm`` of ``x`` [..., H] (the last dimension contiguous), or None for
+    """``fused.rms_norm`` of ``x`` [T, H] or [H] (the last dimension contiguous), or None for
     arguments this kernel does not take."""
     rows = _as_rows(x)
     if rows is None or not _takes(x, weight, x.shape[-1]):
@@ -117,7 +117,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``fused.add_rms_norm`` of ``x`` and ``residual`` [..., H] (the last dimension
+    """``fused.add_rms_norm`` of ``x`` and ``residual`` [T, H] or [H] (the last dimension
     contiguous), or None for arguments this kernel does not take."""
     rows, residual_rows = _as_rows(x), _as_rows(residual)
     if not (rows is not None and residual_rows is not None and residual.shape == x.shape
@@ -149,7 +149,7 @@ def add_rms_norm_of_parts(
 
 @triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, columns, stride_x, BLOCK: tl.constexpr,
-                     PTX: tl.constexpr, PDL: tl.constexpr):
+                     LIBDEVICE: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr):
     await_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -157,14 +157,15 @@ def _silu_mul_kernel(x_ptr, out_ptr, columns, stride_x, BLOCK: tl.constexpr,
     dt = out_ptr.dtype.element_ty
     gate = tl.load(x_ptr + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + columns + c, mask=mask, other=0.0).to(tl.float32)
-    # PTX: compiled for an NVIDIA GPU, where libdevice has CUDA's expf (the interpreter has none).
-    exp = libdevice.exp(-gate) if PTX else tl.exp(-gate)
+    # Compiled, libdevice's exponential is the accurate one (CUDA's expf on NVIDIA GPUs); the
+    # interpreter has no libdevice.
+    exp = libdevice.exp(-gate) if LIBDEVICE else tl.exp(-gate)
     silu = round_to(tl.div_rn(gate, 1.0 + exp), dt, PTX)
     tl.store(out_ptr + row * columns + c, round_to(silu * up, dt, PTX).to(dt), mask=mask)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
-    """``fused.silu_and_mul`` of ``gate_up`` [..., 2I] (the last dimension contiguous), or
+    """``fused.silu_and_mul`` of ``gate_up`` [T, 2I] or [2I] (the last dimension contiguous), or
     None for arguments this kernel does not take."""
     x = _as_rows(gate_up)
     if x is None or gate_up.dtype not in _DTYPES or gate_up.shape[-1] % 2:
@@ -174,6 +175,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     if rows and columns:
         pdl = dependent_launch(x)
         _silu_mul_kernel[(rows, triton.cdiv(columns, _SILU_BLOCK))](
-            x, out, columns, x.stride(0), BLOCK=_SILU_BLOCK, PTX=ptx_rounding(x), PDL=pdl,
-            num_warps=4, **launch_options(pdl))
+            x, out, columns, x.stride(0), BLOCK=_SILU_BLOCK, LIBDEVICE=not triton_interpreting(),
+            PTX=ptx_rounding(x), PDL=pdl, num_warps=4, **launch_options(pdl))
     return out.view(*gate_up.shape[:-1], columns)

@@ -1,5 +1,6 @@
 """Rounding a float32 value to bfloat16 and back inside a Triton kernel, where PyTorch's
-op-by-op arithmetic rounds (``hitchllm.models.rotary_kernel``, ``hitchllm.models.split_k``).
+op-by-op arithmetic rounds (``hitchllm.models.rotary_kernel``,
+``hitchllm.models.elementwise_kernels``).
 
 Compiled for sm_90, Triton folded ``x.to(tl.bfloat16).to(tl.float32)`` away in some
 expressions (into fused multiply-adds over the unrounded value: 17% of a kernel's bf16 outputs
