@@ -132,3 +132,7 @@ def test_fused_functions_run_the_kernels_on_cuda(monkeypatch):
     assert compiled == []
     silu_and_mul(x.half())
     assert compiled == ["silu_and_mul"]
+    # and ``fused``'s own functions are routed so (their results are the kernels' bits)
+    assert torch.equal(fused.rms_norm(x, w, 1e-6), ek.rms_norm(x, w, 1e-6))
+    assert torch.equal(fused.add_rms_norm(x, x, w, 1e-6)[0], ek.add_rms_norm(x, x, w, 1e-6)[0])
+    assert torch.equal(fused.silu_and_mul(x), ek.silu_and_mul(x))

@@ -63,7 +63,9 @@ def _norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, total_ptr, rows, colu
         residual = tl.load(residual_ptr + row * stride_residual + c, mask=mask, other=0.0)
         x = round_to(x + residual.to(tl.float32), dt, PTX)
         tl.store(total_ptr + row * columns + c, x.to(dt), mask=mask)
-    inv = tl.rsqrt(tl.sum(x * x, 0) * inv_columns + eps)  # a mean as PyTorch's: sum * (1 / n)
+    # The mean as PyTorch's on CUDA (sum * (1 / n)); launched without fused multiply-adds, so
+    # the squares, the mean and the epsilon round where PyTorch's ops round.
+    inv = tl.rsqrt(tl.sum(x * x, 0) * inv_columns + eps)
     weight = tl.load(weight_ptr + c, mask=mask, other=0.0).to(tl.float32)
     normed = round_to(weight * round_to(x * inv, dt, PTX), dt, PTX)
     tl.store(out_ptr + row * columns + c, normed.to(dt), mask=mask)
@@ -101,7 +103,8 @@ def _launch_norm(x: torch.Tensor, splits: int, residual: torch.Tensor | None,
             total if total is not None else out, rows, columns, 1.0 / columns, x.stride(-2),
             residual.stride(0) if residual is not None else 0, eps, SPLITS=splits,
             ADD=residual is not None, BLOCK=block, PTX=ptx_rounding(x), PDL=pdl,
-            num_warps=min(16, max(4, block // 1024)), **launch_options(pdl))
+            num_warps=min(16, max(4, block // 1024)), enable_fp_fusion=False,
+            **launch_options(pdl))
     return out, total
 
 

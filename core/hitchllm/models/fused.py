@@ -38,8 +38,8 @@ _device_kernels: dict[tuple[str, str], Callable[..., Any]] = {}
 
 
 def set_fusion(enabled: bool) -> None:
-    """Turn compilation of the functions below, and plugins' device kernels for them, on or
-    off (for every model in the process)."""
+    """Turn the fused kernels of the functions below (the engine's own on CUDA, else compiled;
+    plugins' device kernels elsewhere) on or off, for every model in the process."""
     global _fusion_enabled
     _fusion_enabled = enabled
 
