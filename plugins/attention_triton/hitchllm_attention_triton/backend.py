@@ -84,9 +84,8 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
         # requests (one wave, a scratch run) 1-3% slower, hence the threshold. The split counts
         # chosen since (up to four waves) put batches of 5 requests or more of 8 KV heads past
         # it; the decode-tiles grid (4-160 requests) was timed with it, index order at 5-16
-        # was not. A graph replayed
-        # without a build (the EAGLE draft chain) keeps its size's last order: a permutation
-        # all the same, so only the balance is lost.
+        # was not. A graph replayed without a build (the EAGLE draft chain) keeps its size's
+        # last order: a permutation all the same, so only the balance is lost.
         self.longest_first = self.device.type == "cuda"
         self._graph_order: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # A prompt step's decoding requests in a decode launch of their own when they alone
