@@ -64,6 +64,7 @@ def main() -> None:
     lines = [*entry_heading("plain temperature sampling, 151,936 ids, bf16 logits",
                             "python benchmarks/sampling_kernel.py", note), header]
     print(header)
+    failures = []  # after the table: a line inside it would end the markdown table
     for rows in (1, 16, 64, 128, 256):
         logits = (torch.randn(rows, VOCAB, device="cuda", generator=gen) * 3).bfloat16()
         temperature = torch.full((rows,), 0.6, device="cuda")
@@ -77,13 +78,15 @@ def main() -> None:
             except Exception as e:  # e.g. a version that cannot be captured in a graph
                 failed = f"FlashInfer at {rows} rows: {type(e).__name__}: {e}"
                 print(failed)
-                lines.append(f"({failed})")
+                failures.append(f"({failed})")
         tbps = logits.numel() * logits.element_size() / (race * 1e-6) / 1e12
         line = (f"| {rows} | {race:.1f} | {tbps:.2f} | {general:.1f} | "
                 f"{f'{vendor:.1f}' if vendor else 'n/a'} | {general / race:.2f}x | "
                 f"{f'{vendor / race:.2f}x' if vendor else 'n/a'} |")
         print(line, flush=True)
         lines.append(line)
+    if failures:
+        lines += ["", *failures]
     if args.results:
         append_results(args.results, lines)
 

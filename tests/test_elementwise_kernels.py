@@ -33,14 +33,16 @@ def _assert_matches(got, want, dtype, exact_share):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("columns", [1000, 1024, 7168, 16384])
 def test_norms_match_pytorch(device, dtype, columns):
-    """RMSNorm and add + RMSNorm (a row stride on the input, as a view gives; widths of 4, 8
-    and 16 warps): the residual stream bit for bit, the normalized values rounded where
-    PyTorch rounds (a sum of squares in another order may round one the other way)."""
+    """RMSNorm and add + RMSNorm (row strides on the input and the residual, as views give;
+    widths of 4, 8 and 16 warps): the residual stream bit for bit, the normalized values
+    rounded where PyTorch rounds (a sum of squares in another order may round one the other
+    way)."""
     rows = 6 if device == "cpu" else 300
     g = torch.Generator().manual_seed(columns)
     wide = (torch.randn(rows, columns + 64, generator=g) * 3).to(dtype).to(device)
     x = wide[:, :columns]
-    residual = (torch.randn(rows, columns, generator=g) * 4).to(dtype).to(device)
+    residual = (torch.randn(rows, columns + 32, generator=g) * 4).to(dtype).to(device)
+    residual = residual[:, 32:]
     weight = (torch.rand(columns, generator=g) + 0.5).to(dtype).to(device)
     _assert_matches(ek.rms_norm(x, weight, 1e-6), fused._normalize(x, weight, 1e-6), dtype,
                     2e-3)
@@ -55,12 +57,14 @@ def test_norms_match_pytorch(device, dtype, columns):
 @pytest.mark.parametrize("columns", [300, 3072])
 def test_silu_and_mul_matches_pytorch(device, dtype, columns):
     """``silu(gate) * up`` with PyTorch's roundings (silu rounded before the product); columns
-    that do not fill the last program; large gates whose exponentials overflow."""
+    that do not fill the last program; large gates whose exponentials overflow; a row stride,
+    as a view gives."""
     rows = 5 if device == "cpu" else 300
     g = torch.Generator().manual_seed(columns)
-    gate_up = (torch.randn(rows, 2 * columns, generator=g) * 4)
+    gate_up = (torch.randn(rows, 2 * columns + 16, generator=g) * 4)
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, -1e4, 0.0])
-    gate_up = gate_up.to(dtype).to(device)
+    gate_up = gate_up.to(dtype).to(device)[:, :2 * columns]
+    assert gate_up.stride(0) == 2 * columns + 16
     # The interpreter's exponential is numpy's, a unit in the last place from PyTorch's CPU
     # one in some values; on a GPU both are CUDA's expf.
     _assert_matches(ek.silu_and_mul(gate_up), _silu_and_mul(gate_up), dtype,
@@ -80,10 +84,31 @@ def test_kernels_decline_what_they_do_not_take():
         assert ek.silu_and_mul(q) is None
     assert ek.rms_norm(x.T.contiguous().T, w, 1e-6) is None  # strided columns
     assert ek.rms_norm(torch.randn(2, 20000), torch.rand(20000), 1e-6) is None  # too wide
-    assert ek.add_rms_norm(x, torch.randn(4, 32), w[:32], 1e-6) is None  # shapes differ
+    assert ek.add_rms_norm(x, torch.randn(4, 32), w, 1e-6) is None  # shapes differ
     assert ek.add_rms_norm(x, x.bfloat16(), w, 1e-6) is None
     assert ek.silu_and_mul(torch.randn(4, 63)) is None  # no halves
     assert ek.silu_and_mul(torch.randn(4, 64).half()) is None
+
+
+def test_kernels_decline_arguments_that_need_gradients():
+    """The kernels have no backward: with autograd on, an argument that requires gradients
+    goes to the compiled route (which keeps the graph); under no_grad the kernels run."""
+    x = torch.randn(4, 64)
+    w = torch.rand(64) + 0.5
+    parts = torch.randn(2, 4, 64)
+    needs = [t.clone().requires_grad_() for t in (x, w, parts)]
+    gx, gw, gparts = needs
+    assert ek.rms_norm(gx, w, 1e-6) is None
+    assert ek.rms_norm(x, gw, 1e-6) is None
+    assert ek.add_rms_norm(x, gx, w, 1e-6) is None
+    assert ek.add_rms_norm_of_parts(gparts, torch.float32, x, w, 1e-6) is None
+    assert ek.silu_and_mul(gx) is None
+    with torch.no_grad():
+        assert ek.rms_norm(gx, gw, 1e-6) is not None
+        assert ek.add_rms_norm(x, gx, gw, 1e-6) is not None
+        assert ek.add_rms_norm_of_parts(gparts, torch.float32, gx, gw, 1e-6) is not None
+        assert ek.silu_and_mul(gx) is not None
+    assert ek.add_rms_norm_of_parts(parts, torch.float32, x, w, 1e-6) is not None
 
 
 def test_a_single_row_vector_is_one_row():

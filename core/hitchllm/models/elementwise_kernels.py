@@ -12,10 +12,11 @@ The arithmetic is ``fused``'s, rounding where PyTorch's op-by-op arithmetic roun
 (``hitchllm.models.rounding``): the residual sum rounded to the model dtype, statistics in
 float32, the normalized value rounded before the weight multiplies it and the product rounded;
 ``silu(gate)`` rounded before it multiplies ``up``, with the accurate exponential and an
-IEEE division, as PyTorch computes it. bfloat16 and float32 only (float16's products fold
-into fused multiply-adds that skip their roundings: the compiled route keeps it). A row's sum
-of squares is reduced in another order than PyTorch's, so a normalized value can round the
-other way, rarely.
+IEEE division, as PyTorch computes it. bfloat16 and float32 only (``rounding.round_to`` has
+no float16 rounding: the compiled route keeps float16), and no autograd (the kernels have no
+backward: arguments that need gradients take the compiled route too). A row's sum of squares
+is reduced in another order than PyTorch's, so a normalized value can round the other way,
+rarely.
 
 One program normalizes one row (up to 16,384 columns); SiLU-and-multiply takes 1,024 columns
 of one row per program.
@@ -83,10 +84,15 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor | None:
     return x if x.dim() == 2 else x.view(1, -1)
 
 
+def _no_autograd(*tensors: torch.Tensor) -> bool:
+    """Whether no gradient would flow through these tensors (the kernels have no backward)."""
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
 def _takes(x: torch.Tensor, weight: torch.Tensor, columns: int) -> bool:
     return (x.dtype in _DTYPES and weight.dtype == x.dtype and weight.shape == (columns,)
             and weight.is_contiguous() and weight.device == x.device
-            and 0 < columns <= _MAX_COLUMNS)
+            and 0 < columns <= _MAX_COLUMNS and _no_autograd(x, weight))
 
 
 def _launch_norm(x: torch.Tensor, splits: int, residual: torch.Tensor | None,
@@ -125,7 +131,7 @@ def add_rms_norm(
     rows, residual_rows = _as_rows(x), _as_rows(residual)
     if not (rows is not None and residual_rows is not None and residual.shape == x.shape
             and residual.dtype == x.dtype and residual.device == x.device
-            and _takes(x, weight, x.shape[-1])):
+            and _no_autograd(residual) and _takes(x, weight, x.shape[-1])):
         return None
     out, total = _launch_norm(rows, 1, residual_rows, weight, eps, x.dtype)
     assert total is not None
@@ -143,7 +149,8 @@ def add_rms_norm_of_parts(
     if not (parts.dtype == torch.float32 and parts.is_contiguous()
             and residual.shape == (rows, columns) and residual.dtype == dtype
             and residual.stride(1) == 1 and residual.device == parts.device
-            and dtype in _DTYPES and _takes(residual, weight, columns)):
+            and dtype in _DTYPES and _no_autograd(parts)
+            and _takes(residual, weight, columns)):
         return None
     out, total = _launch_norm(parts, parts.shape[0], residual, weight, eps, dtype)
     assert total is not None
@@ -171,7 +178,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """``fused.silu_and_mul`` of ``gate_up`` [T, 2I] or [2I] (the last dimension contiguous), or
     None for arguments this kernel does not take."""
     x = _as_rows(gate_up)
-    if x is None or gate_up.dtype not in _DTYPES or gate_up.shape[-1] % 2:
+    if (x is None or gate_up.dtype not in _DTYPES or gate_up.shape[-1] % 2
+            or not _no_autograd(gate_up)):
         return None
     rows, columns = x.shape[0], x.shape[1] // 2
     out = torch.empty(rows, columns, dtype=x.dtype, device=x.device)

@@ -9,8 +9,9 @@ name (``hitchllm.models.elementwise_kernels`` for the norms and the activation,
 ``hitchllm.models.rotary_kernel`` for rotary; compiled by ``torch.compile``, rotary took four
 kernels and several times as long, and loading compiled functions (Dynamo, Inductor) cost
 every engine's start-up seconds). Arguments those kernels do not take (float16, a strided last
-dimension, more than two dimensions for the norms and the activation) run the function
-compiled with ``torch.compile`` (dynamic sizes) instead.
+dimension, more than two dimensions for the norms and the activation, rows wider than 16,384
+for the norms, tensors that need gradients) run the function compiled with ``torch.compile``
+(dynamic sizes) instead.
 Elsewhere, or with fusion turned off (``EngineConfig.enable_fusion``), the same code runs
 eagerly, unless a plugin has registered a kernel for the function on the argument's device type
 (``register_device_kernels``: attention_cpu supplies C versions for the CPU). Each function
