@@ -85,8 +85,8 @@ def main() -> None:
                 f"{f'{vendor / race:.2f}x' if vendor else 'n/a'} |")
         print(line, flush=True)
         lines.append(line)
-    if failures:
-        lines += ["", *failures]
+    for failed in failures:
+        lines += ["", failed]
     if args.results:
         append_results(args.results, lines)
 

@@ -43,6 +43,7 @@ def test_norms_match_pytorch(device, dtype, columns):
     x = wide[:, :columns]
     residual = (torch.randn(rows, columns + 32, generator=g) * 4).to(dtype).to(device)
     residual = residual[:, 32:]
+    assert x.stride(0) == columns + 64 and residual.stride(0) == columns + 32
     weight = (torch.rand(columns, generator=g) + 0.5).to(dtype).to(device)
     _assert_matches(ek.rms_norm(x, weight, 1e-6), fused._normalize(x, weight, 1e-6), dtype,
                     2e-3)
@@ -161,3 +162,26 @@ def test_fused_functions_run_the_kernels_on_cuda(monkeypatch):
     assert torch.equal(fused.rms_norm(x, w, 1e-6), ek.rms_norm(x, w, 1e-6))
     assert torch.equal(fused.add_rms_norm(x, x, w, 1e-6)[0], ek.add_rms_norm(x, x, w, 1e-6)[0])
     assert torch.equal(fused.silu_and_mul(x), ek.silu_and_mul(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fused_functions_keep_gradients_on_cuda(monkeypatch):
+    """With autograd on, ``fused``'s functions take the compiled route for tensors that need
+    gradients (here ``torch.compile`` stands in as the identity), so the result has a graph
+    and its gradients are PyTorch's."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    route = fused._triton_on_cuda("elementwise_kernels")
+    rms_norm, add_rms_norm, silu_and_mul = (route(f.__wrapped__) for f in (
+        fused.rms_norm, fused.add_rms_norm, fused.silu_and_mul))
+    x = torch.randn(3, 64, device="cuda").requires_grad_()
+    w = (torch.rand(64, device="cuda") + 0.5).requires_grad_()
+    out = rms_norm(x, w, 1e-6) + add_rms_norm(x, x.detach(), w, 1e-6)[0] + silu_and_mul(x).sum()
+    out.sum().backward()
+    want_x, want_w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    want = (fused._normalize(want_x, want_w, 1e-6)
+            + fused._normalize(want_x + want_x.detach(), want_w, 1e-6)
+            + _silu_and_mul(want_x).sum())
+    want.sum().backward()
+    torch.testing.assert_close(x.grad, want_x.grad)
+    torch.testing.assert_close(w.grad, want_w.grad)

@@ -84,15 +84,15 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor | None:
     return x if x.dim() == 2 else x.view(1, -1)
 
 
-def _no_autograd(*tensors: torch.Tensor) -> bool:
-    """Whether no gradient would flow through these tensors (the kernels have no backward)."""
-    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd would record an op on these tensors (the kernels have no backward)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def _takes(x: torch.Tensor, weight: torch.Tensor, columns: int) -> bool:
     return (x.dtype in _DTYPES and weight.dtype == x.dtype and weight.shape == (columns,)
             and weight.is_contiguous() and weight.device == x.device
-            and 0 < columns <= _MAX_COLUMNS and _no_autograd(x, weight))
+            and 0 < columns <= _MAX_COLUMNS and not _needs_grad(x, weight))
 
 
 def _launch_norm(x: torch.Tensor, splits: int, residual: torch.Tensor | None,
@@ -131,7 +131,7 @@ def add_rms_norm(
     rows, residual_rows = _as_rows(x), _as_rows(residual)
     if not (rows is not None and residual_rows is not None and residual.shape == x.shape
             and residual.dtype == x.dtype and residual.device == x.device
-            and _no_autograd(residual) and _takes(x, weight, x.shape[-1])):
+            and not _needs_grad(residual) and _takes(x, weight, x.shape[-1])):
         return None
     out, total = _launch_norm(rows, 1, residual_rows, weight, eps, x.dtype)
     assert total is not None
@@ -149,7 +149,7 @@ def add_rms_norm_of_parts(
     if not (parts.dtype == torch.float32 and parts.is_contiguous()
             and residual.shape == (rows, columns) and residual.dtype == dtype
             and residual.stride(1) == 1 and residual.device == parts.device
-            and dtype in _DTYPES and _no_autograd(parts)
+            and dtype in _DTYPES and not _needs_grad(parts)
             and _takes(residual, weight, columns)):
         return None
     out, total = _launch_norm(parts, parts.shape[0], residual, weight, eps, dtype)
@@ -179,7 +179,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     None for arguments this kernel does not take."""
     x = _as_rows(gate_up)
     if (x is None or gate_up.dtype not in _DTYPES or gate_up.shape[-1] % 2
-            or not _no_autograd(gate_up)):
+            or _needs_grad(gate_up)):
         return None
     rows, columns = x.shape[0], x.shape[1] // 2
     out = torch.empty(rows, columns, dtype=x.dtype, device=x.device)
